@@ -1,0 +1,379 @@
+"""The `kvbridge` command line: run, simulate, consume, replay."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from datetime import datetime
+from typing import Any
+
+from bridge import __version__
+from bridge.config import BridgeConfig, ConfigError, env_settings, load_toml, parse_pod
+from bridge.logsetup import setup_logging
+
+log = logging.getLogger("kvbridge")
+
+DESCRIPTION = """\
+kvbridge follows vLLM engines' KV-cache event streams (ZeroMQ PUB + replay ROUTER), keeps
+every (pod, data-parallel rank) stream complete and ordered, and writes each event as an
+Avro record to a Kafka topic keyed by pod, so consumers can rebuild each pod's prefix-cache
+state from any offset or time.
+
+  kvbridge run --bootstrap-servers localhost:9092 \\
+      --pod name=pod-a,model=llama,pub=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558
+  kvbridge consume --from-beginning --pod pod-a      # events as JSON lines
+  kvbridge replay                                    # rebuilt cache state per pod
+  kvbridge simulate --pods 3                         # simulated vLLM pods for trying it out
+"""
+
+
+def _kafka_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--bootstrap-servers",
+        metavar="HOST:PORT",
+        help="Kafka bootstrap servers (env KVBRIDGE_BOOTSTRAP_SERVERS; default localhost:9092)",
+    )
+    p.add_argument("--topic", help="topic of the events (env KVBRIDGE_TOPIC; default kv-events)")
+    p.add_argument(
+        "--kafka-property",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any librdkafka property, e.g. security.protocol=SASL_SSL (repeatable)",
+    )
+
+
+def _log_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"])
+
+
+def _kv_pairs(items: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise ConfigError(f"{what} {item!r}: expected KEY=VALUE")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvbridge",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"kvbridge {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = sub.add_parser(
+        "run",
+        help="follow vLLM pods and write their events to Kafka",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Follow vLLM pods and write every KV-cache event to Kafka.
+
+Settings come from flags, then KVBRIDGE_* environment variables, then --config FILE (TOML),
+then defaults. Pods: --pod (repeatable), KVBRIDGE_PODS (specs separated by ';'), or [[pods]]
+tables in the file with the same keys. A pod spec:
+
+  name=NAME,model=MODEL,pub=tcp://HOST:5557[,replay=tcp://HOST:5558][,dp=N][,topic=PREFIX]
+
+pub/replay are vLLM's kv-events `endpoint` and `replay_endpoint` as seen from the bridge
+(vLLM binds them when they contain '*'). With dp=N, rank r uses port+r on both. Without
+replay=, gaps cannot be recovered and are written as EventsLost markers.
+
+SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
+    )
+    run.add_argument("--config", metavar="FILE", help="TOML settings file")
+    _kafka_args(run)
+    run.add_argument("--pod", action="append", default=[], metavar="SPEC", help="a pod to follow")
+    run.add_argument(
+        "--metrics-port", type=int, help="Prometheus /metrics port (default 9400; 0 = off)"
+    )
+    run.add_argument("--metrics-host", help="address for /metrics (default 0.0.0.0)")
+    run.add_argument(
+        "--first-contact",
+        choices=["replay", "live"],
+        help="on first contact with a stream: replay from seq 0 (default) or start live",
+    )
+    run.add_argument(
+        "--replay-timeout", type=float, help="seconds of silence that fail a replay (2)"
+    )
+    run.add_argument("--replay-deadline", type=float, help="seconds for one replay attempt (30)")
+    run.add_argument(
+        "--replay-attempts", type=int, help="replay attempts before a range is lost (3)"
+    )
+    _log_args(run)
+
+    from bridge.simulator.cli import configure_parser as configure_simulate
+
+    sim = sub.add_parser(
+        "simulate",
+        help="run simulated vLLM pods (PUB + replay ROUTER) for demos and tests",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    configure_simulate(sim)
+
+    for name, helptext in (
+        ("consume", "print the topic's records as JSON lines"),
+        ("replay", "rebuild per-pod cache state from the topic and print it"),
+    ):
+        p = sub.add_parser(name, help=helptext, description=helptext)
+        _kafka_args(p)
+        where = p.add_mutually_exclusive_group()
+        where.add_argument(
+            "--from-beginning", action="store_true", help="start at the beginning (default)"
+        )
+        where.add_argument(
+            "--from-end", action="store_true", help="start at the end (with --follow)"
+        )
+        where.add_argument(
+            "--from-offset", type=int, metavar="N", help="start at offset N of --partition"
+        )
+        where.add_argument(
+            "--from-timestamp",
+            metavar="TIME",
+            help="start at the first record at/after TIME (ISO 8601, or ms since the epoch)",
+        )
+        p.add_argument("--partition", type=int, help="partition for --from-offset")
+        p.add_argument(
+            "--to-offset", type=int, metavar="N", help="stop after offset N (per partition)"
+        )
+        p.add_argument("--pod", action="append", default=[], help="only these pods (repeatable)")
+        p.add_argument("--follow", action="store_true", help="keep reading new records")
+        _log_args(p)
+        if name == "consume":
+            p.add_argument(
+                "--type",
+                action="append",
+                default=[],
+                metavar="TYPE",
+                help="only these event/marker types, e.g. BlockStored, EventsLost (repeatable)",
+            )
+            p.add_argument("--max", type=int, metavar="N", help="stop after N records")
+        else:
+            p.add_argument(
+                "--json", action="store_true", help="print the full state (every block) as JSON"
+            )
+    return parser
+
+
+def resolve_run_config(
+    args: argparse.Namespace, environ: dict[str, str] | None = None
+) -> BridgeConfig:
+    """Flags win over KVBRIDGE_* env vars, which win over the TOML file."""
+    file: dict[str, Any] = load_toml(args.config) if args.config else {}
+    env = env_settings(environ)
+    cfg = BridgeConfig()
+
+    def pick(name: str, conv: type = str) -> Any:
+        flag = getattr(args, name, None)
+        if flag is not None:
+            return flag
+        for source, value in (
+            ("env KVBRIDGE_" + name.upper(), env.get(name)),
+            ("file", file.get(name)),
+        ):
+            if value is not None:
+                try:
+                    return conv(value)
+                except (TypeError, ValueError) as exc:
+                    raise ConfigError(
+                        f"{source} {name}={value!r}: expected {conv.__name__}"
+                    ) from exc
+        return getattr(cfg, name)
+
+    cfg.bootstrap_servers = pick("bootstrap_servers")
+    cfg.topic = pick("topic")
+    cfg.metrics_port = pick("metrics_port", int)
+    cfg.metrics_host = pick("metrics_host")
+    cfg.first_contact = pick("first_contact")
+    if cfg.first_contact not in ("replay", "live"):
+        raise ConfigError(f"first_contact={cfg.first_contact!r}: accepted values are replay, live")
+    cfg.replay_timeout = pick("replay_timeout", float)
+    cfg.replay_deadline = pick("replay_deadline", float)
+    cfg.replay_attempts = pick("replay_attempts", int)
+    if args.pod:
+        specs: list[Any] = list(args.pod)
+    elif env.get("pods"):
+        specs = [s for s in env["pods"].split(";") if s.strip()]
+    else:
+        specs = list(file.get("pods", []))
+    cfg.pods = [parse_pod(s) for s in specs]
+    names = [p.name for p in cfg.pods]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"pod names must be unique; repeated: {', '.join(dupes)}")
+    cfg.kafka = {str(k): str(v) for k, v in file.get("kafka", {}).items()}
+    cfg.kafka.update(_kv_pairs(args.kafka_property, "--kafka-property"))
+    return cfg
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from bridge.runner import Bridge
+
+    cfg = resolve_run_config(args)
+    if not cfg.pods:
+        raise ConfigError(
+            "no pods to follow: give --pod name=NAME,model=MODEL,pub=tcp://HOST:5557,"
+            "replay=tcp://HOST:5558 (repeatable), KVBRIDGE_PODS, or [[pods]] in --config"
+        )
+    bridge = Bridge(cfg)
+    if cfg.metrics_port:
+        bridge.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+        log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, cfg.metrics_port)
+
+    def _stop(signum: int, _frame: Any) -> None:
+        log.info("%s: stopping (flushing Kafka)", signal.Signals(signum).name)
+        bridge.stop.set()
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    bridge.open()
+    log.info(
+        "bridge running: %d pods, %d streams -> topic %s at %s",
+        len(cfg.pods),
+        len(bridge.streams),
+        cfg.topic,
+        cfg.bootstrap_servers,
+    )
+    bridge.run()
+    log.info("stopped")
+    return 0
+
+
+def _parse_time(text: str) -> int:
+    if text.isdigit():
+        return int(text)
+    try:
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise ConfigError(
+            f"--from-timestamp {text!r}: expected ISO 8601 (2026-12-02T16:00:00Z) or ms since epoch"
+        ) from exc
+    if dt.tzinfo is None:
+        raise ConfigError(f"--from-timestamp {text!r}: add a timezone, e.g. Z or +00:00")
+    return int(dt.timestamp() * 1000)
+
+
+def _reader_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    from bridge.consumer import StartAt, TopicReader
+
+    env = env_settings()
+    bootstrap = args.bootstrap_servers or env.get("bootstrap_servers") or "localhost:9092"
+    topic = args.topic or env.get("topic") or "kv-events"
+    if args.from_offset is not None:
+        if args.partition is None:
+            raise ConfigError("--from-offset needs --partition (offsets are per partition)")
+        start = StartAt("offset", offset=args.from_offset, partition=args.partition)
+    elif args.from_timestamp:
+        start = StartAt("timestamp", timestamp_ms=_parse_time(args.from_timestamp))
+    elif args.from_end:
+        start = StartAt("end")
+    else:
+        start = StartAt("beginning")
+    reader = TopicReader(bootstrap, topic, _kv_pairs(args.kafka_property, "--kafka-property"))
+    return reader, start
+
+
+def cmd_consume(args: argparse.Namespace) -> int:
+    from bridge.jsonview import event_to_json
+
+    reader, start = _reader_args(args)
+    pods, types = set(args.pod), set(args.type)
+    n = 0
+    out = sys.stdout
+    with reader:
+        for cr in reader.read(start, follow=args.follow, to_offset=args.to_offset):
+            env, ev = cr.record.envelope, cr.record.event
+            name = type(ev).__name__
+            if (pods and env.pod not in pods) or (types and name not in types):
+                continue
+            line = {
+                "partition": cr.partition,
+                "offset": cr.offset,
+                "timestamp": cr.timestamp_ms,
+                "pod": env.pod,
+                "model": env.model,
+                "dp_rank": env.dp_rank,
+                "epoch": env.epoch,
+                "seq": env.seq,
+                "index": env.index,
+                "ts": env.ts,
+                "type": name,
+                "event": event_to_json(ev),
+            }
+            if env.batch_extra:
+                line["batch_extra"] = {k: v.hex() for k, v in env.batch_extra.items()}
+            out.write(json.dumps(line) + "\n")
+            n += 1
+            if args.max is not None and n >= args.max:
+                break
+        out.flush()
+        if reader.skipped:
+            log.warning("%d records could not be read and were skipped", reader.skipped)
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from bridge.state import CacheState
+
+    reader, start = _reader_args(args)
+    pods = set(args.pod)
+    state = CacheState()
+    with reader:
+        for cr in reader.read(start, follow=args.follow, to_offset=args.to_offset):
+            if pods and cr.record.envelope.pod not in pods:
+                continue
+            state.apply(cr.record)
+    if args.json:
+        json.dump(state.to_json(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    s = state.summary()
+    print(f"records applied: {s['records_applied']}   markers: {s['markers'] or 'none'}")
+    print(f"{'pod':<20} {'rank':>4} {'epoch':>14} {'last_seq':>9} {'blocks':>8}  by medium / notes")
+    for e in s["streams"]:
+        notes = ", ".join(f"{k}={v}" for k, v in e["blocks_by_medium"].items())
+        if e["uncertain"]:
+            notes += f"  UNCERTAIN ({e['lost_batches']} batches lost)"
+        last = "-" if e["last_seq"] is None else e["last_seq"]
+        row = f"{e['pod']:<20} {e['dp_rank']:>4} {e['epoch']!s:>14} {last!s:>9} {e['blocks']:>8}"
+        print(f"{row}  {notes}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
+    try:
+        if args.command == "run":
+            return cmd_run(args)
+        if args.command == "simulate":
+            from bridge.simulator.cli import run as run_simulate
+
+            return run_simulate(args)
+        if args.command == "consume":
+            return cmd_consume(args)
+        if args.command == "replay":
+            return cmd_replay(args)
+    except ConfigError as exc:
+        print(f"kvbridge {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as exc:
+        print(f"kvbridge {args.command}: {exc}", file=sys.stderr)
+        return 1
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

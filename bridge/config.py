@@ -1,0 +1,149 @@
+"""Bridge settings: pods to follow, Kafka, sequencing. From a TOML file, KVBRIDGE_* env vars
+and CLI flags (flags win over env, env over the file)."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names it and says what is accepted."""
+
+
+@dataclass(frozen=True, slots=True)
+class PodConfig:
+    """One vLLM pod: its PUB endpoint and optional replay ROUTER, for DP rank 0.
+
+    Rank r of a pod with dp_size N uses port + r on both endpoints (vLLM's own rule).
+    """
+
+    name: str
+    model: str
+    pub: str
+    replay: str | None = None
+    dp_size: int = 1
+    topic: str = ""
+
+    def pub_endpoint(self, rank: int) -> str:
+        return offset_port(self.pub, rank)
+
+    def replay_endpoint(self, rank: int) -> str | None:
+        return None if self.replay is None else offset_port(self.replay, rank)
+
+
+def offset_port(endpoint: str, rank: int) -> str:
+    """``tcp://host:5557`` -> ``tcp://host:<5557+rank>``."""
+    if rank == 0:
+        return endpoint
+    parts = urlsplit(endpoint)
+    if parts.scheme != "tcp" or parts.port is None:
+        raise ConfigError(
+            f"endpoint {endpoint!r}: data-parallel ranks > 0 need a tcp://host:port endpoint "
+            "(vLLM offsets the port by the rank)"
+        )
+    host = endpoint[len("tcp://") : endpoint.rindex(":")]
+    return f"tcp://{host}:{parts.port + rank}"
+
+
+def _check_endpoint(setting: str, endpoint: str) -> None:
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(
+            f"{setting}={endpoint!r}: expected a ZeroMQ endpoint such as tcp://10.0.0.5:5557"
+        )
+    if endpoint.startswith("tcp://"):
+        try:
+            port = urlsplit(endpoint).port
+        except ValueError:
+            port = None
+        if port is None:
+            raise ConfigError(
+                f"{setting}={endpoint!r}: a tcp endpoint needs a port (tcp://host:5557)"
+            )
+
+
+_POD_KEYS = {"name", "model", "pub", "replay", "dp", "dp_size", "topic"}
+
+
+def parse_pod(spec: str | dict[str, Any]) -> PodConfig:
+    """A pod from ``name=a,model=m,pub=tcp://h:5557,replay=tcp://h:5558,dp=2`` or a TOML table."""
+    if isinstance(spec, str):
+        items: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            key, sep, value = part.partition("=")
+            if not sep:
+                raise ConfigError(
+                    f"--pod {spec!r}: {part!r} is not key=value; expected "
+                    "name=NAME,model=MODEL,pub=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp=N]"
+                )
+            items[key.strip()] = value.strip()
+    else:
+        items = dict(spec)
+    unknown = set(items) - _POD_KEYS
+    if unknown:
+        raise ConfigError(
+            f"pod {items.get('name', spec)!r}: unknown key(s) {sorted(unknown)}; "
+            f"accepted: {sorted(_POD_KEYS)}"
+        )
+    for required in ("name", "pub"):
+        if not items.get(required):
+            raise ConfigError(f"pod {spec!r}: {required}= is required")
+    dp = items.get("dp_size", items.get("dp", 1))
+    try:
+        dp_size = int(dp)
+    except (TypeError, ValueError):
+        dp_size = 0
+    if dp_size < 1:
+        raise ConfigError(f"pod {items['name']!r}: dp={dp!r} must be a whole number >= 1")
+    pod = PodConfig(
+        name=str(items["name"]),
+        model=str(items.get("model") or "unknown"),
+        pub=str(items["pub"]),
+        replay=str(items["replay"]) if items.get("replay") else None,
+        dp_size=dp_size,
+        topic=str(items.get("topic", "")),
+    )
+    _check_endpoint(f"pod {pod.name} pub", pod.pub)
+    if pod.replay:
+        _check_endpoint(f"pod {pod.name} replay", pod.replay)
+    for rank in range(dp_size):
+        pod.pub_endpoint(rank)
+        pod.replay_endpoint(rank)
+    return pod
+
+
+@dataclass(slots=True)
+class BridgeConfig:
+    bootstrap_servers: str = "localhost:9092"
+    topic: str = "kv-events"
+    pods: list[PodConfig] = field(default_factory=list)
+    metrics_port: int = 9400  # 0 disables the HTTP endpoint
+    metrics_host: str = "0.0.0.0"
+    first_contact: str = "replay"
+    replay_timeout: float = 2.0
+    replay_deadline: float = 30.0
+    replay_attempts: int = 3
+    rcvhwm: int = 100_000
+    max_message_bytes: int = 64 * 1024 * 1024
+    kafka: dict[str, str] = field(default_factory=dict)  # librdkafka properties passed through
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+
+
+def env_settings(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``KVBRIDGE_BOOTSTRAP_SERVERS=x`` -> ``{"bootstrap_servers": "x"}``."""
+    environ = os.environ if environ is None else environ
+    prefix = "KVBRIDGE_"
+    return {k[len(prefix) :].lower(): v for k, v in environ.items() if k.startswith(prefix)}

@@ -1,0 +1,83 @@
+"""Typed KV-cache events, shared by the decoder, the simulator, Avro and the consumers.
+
+Block hashes are always ``bytes`` here, in the bridge's lossless normal form:
+an integer hash ``h`` from the wire becomes ``(h % 2**64).to_bytes(8, "big")``,
+a digest stays its raw bytes. ``key64(h)`` then equals the integer vLLM itself
+sends in its default integer-hash mode.
+
+``extra`` holds fields this bridge does not know (keys of a newer vLLM, or array
+elements past the last known position, named ``"#<position>"``), each value
+msgpack-encoded, so nothing vLLM sends is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def hash_from_int(value: int) -> bytes:
+    """Normal form of an integer hash (signed int64 or uint64): 8 bytes, unsigned BE."""
+    return (value % (1 << 64)).to_bytes(8, "big")
+
+
+def key64(block_hash: bytes) -> int:
+    """The 64-bit key vLLM sends in integer mode: the last 8 bytes, unsigned big-endian."""
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    # One entry per block: that block's extra hash inputs (a msgpack value) or None.
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+    extra: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    extra: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    extra: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class UnknownEvent:
+    """An event whose tag this bridge does not know; kept whole as msgpack bytes."""
+
+    tag: str
+    raw: bytes
+
+
+VllmEvent = BlockStored | BlockRemoved | AllBlocksCleared | UnknownEvent
+
+
+@dataclass(slots=True)
+class EventBatch:
+    """One vLLM ``KVEventBatch``: what one PUB message carries."""
+
+    ts: float
+    events: list[VllmEvent]
+    dp_rank: int | None = None  # absent in vLLM 0.9.0 (2-element envelope)
+    extra: dict[str, bytes] = field(default_factory=dict)

@@ -1,0 +1,38 @@
+"""Marker records: what the bridge writes into the log about the streams themselves.
+
+Consumers act on them: StreamStarted and PublisherRestarted -> drop the state held
+for (pod, dp_rank); EventsLost -> that state is uncertain; PodRemoved -> forget the pod.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class StreamStarted:
+    next_seq: int
+    endpoint: str
+
+
+@dataclass(slots=True, frozen=True)
+class PublisherRestarted:
+    old_epoch: int
+    last_seq: int | None
+    first_seq: int
+
+
+@dataclass(slots=True, frozen=True)
+class EventsLost:
+    from_seq: int
+    to_seq: int
+    reason: str
+
+
+@dataclass(slots=True, frozen=True)
+class PodRemoved:
+    reason: str
+
+
+Marker = StreamStarted | PublisherRestarted | EventsLost | PodRemoved
+MARKER_TYPES = (StreamStarted, PublisherRestarted, EventsLost, PodRemoved)

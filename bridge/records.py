@@ -1,0 +1,223 @@
+"""Avro records of the kv-events topic: typed events <-> self-identifying Avro bytes.
+
+Values use the Avro single-object encoding: ``C3 01``, the writer schema's
+CRC-64-AVRO fingerprint (8 bytes, little-endian), then the Avro binary body.
+Any Avro library can tell from the header which schema wrote a record.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import msgpack
+from fastavro import schemaless_reader, schemaless_writer
+from fastavro.schema import parse_schema, to_parsing_canonical_form
+
+from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent, VllmEvent
+from bridge.markers import EventsLost, Marker, PodRemoved, PublisherRestarted, StreamStarted
+
+SCHEMA_NAMESPACE = "io.kvbridge.v1"
+SINGLE_OBJECT_MAGIC = b"\xc3\x01"
+
+
+class RecordError(ValueError):
+    """A Kafka value that is not a kv-events record this bridge can read."""
+
+
+def schema_dir() -> Path:
+    """`schemas/` at the repository root (also copied beside the package in images)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "schemas", here / "schemas"):
+        if (candidate / "kv_event.avsc").is_file():
+            return candidate
+    raise FileNotFoundError(f"kv_event.avsc not found next to {here}; reinstall kvbridge")
+
+
+_EMPTY = 0xC15D213AA4D7A795
+
+
+@cache
+def _fp_table() -> tuple[int, ...]:
+    table = []
+    for i in range(256):
+        fp = i
+        for _ in range(8):
+            fp = (fp >> 1) ^ (_EMPTY & -(fp & 1))
+        table.append(fp & 0xFFFFFFFFFFFFFFFF)
+    return tuple(table)
+
+
+def crc64_avro(data: bytes) -> int:
+    """The Avro spec's 64-bit Rabin fingerprint (CRC-64-AVRO) of ``data``."""
+    table = _fp_table()
+    fp = _EMPTY
+    for b in data:
+        fp = (fp >> 8) ^ table[(fp ^ b) & 0xFF]
+    return fp
+
+
+@dataclass(slots=True)
+class Envelope:
+    """Where a record belongs: identifies a vLLM event exactly (markers use index -1)."""
+
+    pod: str
+    model: str
+    dp_rank: int
+    epoch: int
+    seq: int
+    index: int
+    ts: float
+    batch_extra: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Record:
+    envelope: Envelope
+    event: VllmEvent | Marker
+
+
+def _full(name: str) -> str:
+    return f"{SCHEMA_NAMESPACE}.{name}"
+
+
+def _pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def _unpack(raw: bytes) -> Any:
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+
+
+def event_to_avro(event: VllmEvent | Marker) -> tuple[str, dict[str, Any]]:
+    """The union branch (full name, datum) for one event or marker."""
+    if isinstance(event, BlockStored):
+        d = {
+            "block_hashes": event.block_hashes,
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": event.token_ids,
+            "block_size": event.block_size,
+            "lora_id": event.lora_id,
+            "medium": event.medium,
+            "lora_name": event.lora_name,
+            "extra_keys": None
+            if event.extra_keys is None
+            else [None if k is None else _pack(k) for k in event.extra_keys],
+            "group_idx": event.group_idx,
+            "kv_cache_spec_kind": event.kv_cache_spec_kind,
+            "kv_cache_spec_sliding_window": event.kv_cache_spec_sliding_window,
+            "locality": event.locality,
+            "ownership": event.ownership,
+            "session_id": event.session_id,
+            "lookahead_token_ids": event.lookahead_token_ids,
+            "extra": event.extra,
+        }
+        return _full("BlockStored"), d
+    if isinstance(event, BlockRemoved):
+        d = {
+            "block_hashes": event.block_hashes,
+            "medium": event.medium,
+            "group_idx": event.group_idx,
+            "locality": event.locality,
+            "ownership": event.ownership,
+            "extra": event.extra,
+        }
+        return _full("BlockRemoved"), d
+    if isinstance(event, AllBlocksCleared):
+        return _full("AllBlocksCleared"), {"extra": event.extra}
+    if isinstance(event, UnknownEvent):
+        return _full("UnknownEvent"), {"tag": event.tag, "raw": event.raw}
+    if isinstance(event, StreamStarted):
+        return _full("StreamStarted"), {"next_seq": event.next_seq, "endpoint": event.endpoint}
+    if isinstance(event, PublisherRestarted):
+        d = {"old_epoch": event.old_epoch, "last_seq": event.last_seq, "first_seq": event.first_seq}
+        return _full("PublisherRestarted"), d
+    if isinstance(event, EventsLost):
+        d = {"from_seq": event.from_seq, "to_seq": event.to_seq, "reason": event.reason}
+        return _full("EventsLost"), d
+    if isinstance(event, PodRemoved):
+        return _full("PodRemoved"), {"reason": event.reason}
+    raise TypeError(f"not an event or marker: {type(event).__name__}")
+
+
+def event_from_avro(name: str, d: dict[str, Any]) -> VllmEvent | Marker:
+    short = name.rsplit(".", 1)[-1]
+    if short == "BlockStored":
+        keys = d["extra_keys"]
+        if keys is not None:
+            d["extra_keys"] = [None if k is None else _unpack(k) for k in keys]
+        return BlockStored(**d)
+    cls = _SIMPLE_TYPES.get(short)
+    if cls is None:
+        raise RecordError(f"unknown event type {name!r} in record")
+    return cls(**d)
+
+
+_SIMPLE_TYPES: dict[str, type] = {
+    c.__name__: c
+    for c in (
+        BlockRemoved,
+        AllBlocksCleared,
+        UnknownEvent,
+        StreamStarted,
+        PublisherRestarted,
+        EventsLost,
+        PodRemoved,
+    )
+}
+
+
+class RecordCodec:
+    """Encodes and decodes kv-events values (single-object encoding)."""
+
+    def __init__(self, schema_path: Path | None = None) -> None:
+        path = schema_path or schema_dir() / "kv_event.avsc"
+        raw = json.loads(path.read_text())
+        self.schema = parse_schema(raw)
+        self.canonical = to_parsing_canonical_form(self.schema)
+        self.fingerprint = crc64_avro(self.canonical.encode())
+        self.header = SINGLE_OBJECT_MAGIC + self.fingerprint.to_bytes(8, "little")
+        self._readers: dict[bytes, Any] = {self.header[2:]: self.schema}
+
+    def encode(self, envelope: Envelope, event: VllmEvent | Marker) -> bytes:
+        datum = {
+            "pod": envelope.pod,
+            "model": envelope.model,
+            "dp_rank": envelope.dp_rank,
+            "epoch": envelope.epoch,
+            "seq": envelope.seq,
+            "index": envelope.index,
+            "ts": envelope.ts,
+            "batch_extra": envelope.batch_extra,
+            "event": event_to_avro(event),
+        }
+        buf = io.BytesIO()
+        buf.write(self.header)
+        schemaless_writer(buf, self.schema, datum)
+        return buf.getvalue()
+
+    def decode(self, value: bytes) -> Record:
+        if len(value) < 10 or value[:2] != SINGLE_OBJECT_MAGIC:
+            raise RecordError(
+                "value is not Avro single-object encoded (expected the C3 01 marker); "
+                "is this topic written by kvbridge?"
+            )
+        writer = self._readers.get(value[2:10])
+        if writer is None:
+            raise RecordError(
+                f"value written with an unknown schema (fingerprint {value[2:10][::-1].hex()}); "
+                "upgrade kvbridge to read it"
+            )
+        try:
+            d = schemaless_reader(
+                io.BytesIO(value[10:]), writer, self.schema, return_record_name=True
+            )
+        except Exception as exc:  # fastavro raises many types on corrupt input
+            raise RecordError(f"corrupt Avro body: {exc}") from exc
+        name, ev = d.pop("event")
+        envelope = Envelope(**d)
+        return Record(envelope, event_from_avro(name, ev))

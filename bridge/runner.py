@@ -1,0 +1,153 @@
+"""`kvbridge run`: one event loop over every stream's sockets, feeding the Kafka sink."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from bridge.config import BridgeConfig
+from bridge.metrics import BridgeMetrics
+from bridge.pipeline import Pipeline, StreamInfo
+from bridge.records import RecordCodec
+from bridge.sequencer import SequencerConfig
+from bridge.sink import KafkaSink, ensure_topic
+from bridge.subscriber import SocketRegistry, StreamSubscriber
+
+log = logging.getLogger(__name__)
+
+MAX_POLL_MS = 100
+
+
+class Bridge:
+    """Follows every configured pod and rank; stops when ``stop`` is set."""
+
+    def __init__(self, config: BridgeConfig, metrics: BridgeMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or BridgeMetrics()
+        self.stop = threading.Event()
+        self.ctx = zmq.Context()
+        # Two sockets and a monitor per stream: lift libzmq's default limit of 1023.
+        self.ctx.setsockopt(zmq.MAX_SOCKETS, max(1024, 4 * self._stream_count() + 64))
+        self.poller = zmq.Poller()
+        self.registry = SocketRegistry(self.poller)
+        self.codec = RecordCodec()
+        self._acked: dict[bytes, object] = {}
+        self.sink = KafkaSink(
+            config.bootstrap_servers,
+            config.topic,
+            config.kafka,
+            on_success=self._on_acked,
+            on_failure=self._on_failed,
+        )
+        self.pipeline = Pipeline(self.codec, self.sink, self.metrics)
+        self.streams: list[StreamSubscriber] = []
+
+    def _on_acked(self, key: bytes) -> None:
+        c = self._acked.get(key)
+        if c is None:
+            c = self._acked[key] = self.metrics.records_out.labels(key.decode(errors="replace"))
+        c.inc()  # type: ignore[attr-defined]
+
+    def _on_failed(self, key: bytes | None, value: bytes | None, err: object) -> None:
+        pod = (key or b"?").decode(errors="replace")
+        self.metrics.produce_errors.labels(pod).inc()
+
+    def _stream_count(self) -> int:
+        return sum(p.dp_size for p in self.config.pods)
+
+    def _sequencer_config(self, replay: bool) -> SequencerConfig:
+        c = self.config
+        return SequencerConfig(
+            replay_enabled=replay,
+            first_contact=c.first_contact,  # type: ignore[arg-type]
+            replay_idle_timeout=c.replay_timeout,
+            replay_deadline=c.replay_deadline,
+            replay_max_attempts=c.replay_attempts,
+        )
+
+    def open(self) -> None:
+        c = self.config
+        ensure_topic(c.bootstrap_servers, c.topic, overrides=_admin_props(c.kafka))
+        epoch = int(time.time() * 1000)
+        for pod in c.pods:
+            for rank in range(pod.dp_size):
+                pub = pod.pub_endpoint(rank)
+                replay = pod.replay_endpoint(rank)
+                info = StreamInfo(pod.name, pod.model, rank, pub)
+                sub = StreamSubscriber(
+                    self.ctx,
+                    info,
+                    pub,
+                    replay,
+                    pod.topic.encode(),
+                    self._sequencer_config(replay is not None),
+                    epoch,
+                    self.pipeline,
+                    self.registry,
+                    c.rcvhwm,
+                    c.max_message_bytes,
+                    self.pipeline.bad_input,
+                )
+                sub.open()
+                self.streams.append(sub)
+                log.info(
+                    "following pod %s rank %d: pub %s, replay %s",
+                    pod.name,
+                    rank,
+                    pub,
+                    replay or "none (gaps cannot be recovered)",
+                )
+
+    def run(self) -> None:
+        """The event loop; returns after ``stop`` is set and the producer is flushed."""
+        handlers = self.registry.handlers
+        sink = self.sink
+        try:
+            while not self.stop.is_set():
+                now = time.monotonic()
+                deadline = min(
+                    (d for d in (s.next_deadline() for s in self.streams) if d is not None),
+                    default=None,
+                )
+                timeout = MAX_POLL_MS
+                if deadline is not None:
+                    timeout = max(0, min(timeout, int((deadline - now) * 1000) + 1))
+                ready = self.poller.poll(timeout)
+                now = time.monotonic()
+                for sock, _ in ready:
+                    handler = handlers.get(sock)
+                    if handler is not None:
+                        handler(now)
+                for s in self.streams:
+                    d = s.next_deadline()
+                    if d is not None and d <= now:
+                        s.on_tick(now)
+                sink.poll(0)
+                self.metrics.producer_queue.set(sink.pending())
+        finally:
+            self.close()
+
+    def close(self, flush_timeout: float = 30.0) -> None:
+        for s in self.streams:
+            s.close()
+        self.streams.clear()
+        left = self.sink.flush(flush_timeout)
+        if left:
+            log.error(
+                "%d records were not acknowledged by Kafka within %.0fs and are lost",
+                left,
+                flush_timeout,
+            )
+        self.ctx.term()
+
+
+def _admin_props(kafka: dict[str, str]) -> dict[str, str]:
+    """librdkafka properties that also apply to the AdminClient (security, not producer tuning)."""
+    keep = ("security.", "sasl.", "ssl.", "client.id", "socket.", "broker.")
+    return {k: v for k, v in kafka.items() if k.startswith(keep)}
+
+
+__all__ = ["Bridge"]

@@ -1,0 +1,567 @@
+"""Sequencing of one (pod, dp_rank) KV-event stream: gaps, replay, restarts. Sans-I/O.
+
+vLLM numbers its batches 0, 1, 2, ... per publisher incarnation, sends them on a PUB socket
+(which may drop) and keeps the last N in a replay buffer behind a ROUTER socket (spec §2, §3).
+:class:`StreamSequencer` turns what arrives on the two sockets into a complete, ordered account
+of the stream: inputs go in (``on_*`` methods, with the caller's clock ``now`` in seconds), a
+list of actions comes out. It does no I/O, starts no threads and never reads a clock.
+
+Guarantees, for every input sequence:
+
+* per epoch, :class:`Deliver` and :class:`EventsLost` actions account for the seqs
+  ``0, 1, 2, ...`` contiguously and in order: each seq is either delivered once or reported
+  lost once, never both, and the seqs accounted always reach the highest seq seen so far
+  whenever no replay is under way;
+* :class:`StreamStarted` opens the first epoch, :class:`PublisherRestarted` each later one,
+  before any other action of that epoch, and no action of an epoch follows its successor's
+  opening;
+* a payload is delivered exactly as it was received for that seq.
+
+The I/O layer executes :class:`SendReplay` and :class:`ResetReplay`, calls :meth:`on_tick`
+whenever ``now >= next_deadline()``, maps a replay reply whose seq frame is ``ff`` x 8 to
+:meth:`StreamSequencer.on_replay_end`, and forwards everything else to the consumers.
+Timers fire only in :meth:`StreamSequencer.on_tick`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "LOST_BEFORE_FIRST_CONTACT",
+    "LOST_NOT_IN_REPLAY_BUFFER",
+    "LOST_REASONS",
+    "LOST_REPLAY_COOLDOWN",
+    "LOST_REPLAY_DISABLED",
+    "LOST_REPLAY_INCOMPLETE",
+    "LOST_REPLAY_TIMED_OUT",
+    "LOST_RESTARTED",
+    "LOST_RESTARTED_DURING_REPLAY",
+    "Action",
+    "Deliver",
+    "EventsLost",
+    "PublisherRestarted",
+    "ResetReplay",
+    "SendReplay",
+    "SequencerConfig",
+    "StreamSequencer",
+    "StreamStarted",
+]
+
+# Reasons carried by EventsLost (stable strings: usable as metric labels).
+LOST_BEFORE_FIRST_CONTACT = "before first contact"  # published before we listened, no replay
+LOST_NOT_IN_REPLAY_BUFFER = "not in replay buffer"  # evicted from the ring, or never buffered
+LOST_REPLAY_DISABLED = "replay disabled"
+LOST_REPLAY_COOLDOWN = "replay cooling down"  # a recent replay round gave up
+LOST_REPLAY_TIMED_OUT = "replay timed out"  # gave up; the last attempt timed out
+LOST_REPLAY_INCOMPLETE = "replay incomplete"  # gave up; the last reply had a hole or stopped short
+LOST_RESTARTED_DURING_REPLAY = "publisher restarted during replay"
+LOST_RESTARTED = "publisher restarted"
+LOST_REASONS = frozenset(
+    {
+        LOST_BEFORE_FIRST_CONTACT,
+        LOST_NOT_IN_REPLAY_BUFFER,
+        LOST_REPLAY_DISABLED,
+        LOST_REPLAY_COOLDOWN,
+        LOST_REPLAY_TIMED_OUT,
+        LOST_REPLAY_INCOMPLETE,
+        LOST_RESTARTED_DURING_REPLAY,
+        LOST_RESTARTED,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SequencerConfig:
+    replay_enabled: bool = True  # False: no replay endpoint -> every gap is lost at once
+    first_contact: Literal["replay", "live"] = "replay"  # replay from 0 first, or live only
+    replay_idle_timeout: float = 2.0  # s without any reply during an attempt -> attempt failed
+    replay_deadline: float = 30.0  # s for one whole attempt
+    replay_max_attempts: int = 3  # consecutive failed attempts before giving up on a gap
+    backoff_initial: float = 0.2
+    backoff_max: float = 5.0
+    backoff_factor: float = 2.0
+    replay_cooldown: float = 30.0  # after giving up, gaps within this time are lost at once
+    max_held: int = 10_000  # live messages held while a replay runs
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.first_contact not in ("replay", "live"):
+            problems.append(f"first_contact must be 'replay' or 'live', not {self.first_contact!r}")
+        if self.replay_idle_timeout <= 0 or self.replay_deadline <= 0:
+            problems.append("replay_idle_timeout and replay_deadline must be > 0")
+        if self.replay_max_attempts < 1:
+            problems.append("replay_max_attempts must be >= 1")
+        if self.backoff_initial < 0 or self.backoff_max < 0 or self.backoff_factor < 1:
+            problems.append("backoff_initial and backoff_max must be >= 0, backoff_factor >= 1")
+        if self.replay_cooldown < 0:
+            problems.append("replay_cooldown must be >= 0")
+        if self.max_held < 0:
+            problems.append("max_held must be >= 0")
+        if problems:
+            raise ValueError("invalid SequencerConfig: " + "; ".join(problems))
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Batch ``seq`` of ``epoch``; ``replayed`` when it came from the replay socket."""
+
+    epoch: int
+    seq: int
+    payload: bytes
+    replayed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStarted:
+    """The stream's first epoch begins: consumers reset state for this stream.
+
+    Every seq ``>= next_seq`` of the epoch is then delivered or reported lost, in order
+    (``next_seq`` is 0: whatever was published before the bridge listened is reported lost).
+    """
+
+    epoch: int
+    next_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherRestarted:
+    """The publisher restarted (its seq went back): epoch ``epoch`` begins, reset state.
+
+    ``last_seq`` is the last seq delivered in ``old_epoch`` (None if none); ``seq`` is the
+    live seq that revealed the restart. The new epoch is accounted from seq 0.
+    """
+
+    old_epoch: int
+    epoch: int
+    last_seq: int | None
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class EventsLost:
+    """Seqs ``from_seq..to_seq`` (inclusive) of ``epoch`` will never be delivered."""
+
+    epoch: int
+    from_seq: int
+    to_seq: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendReplay:
+    """Send ``[b"", start_seq.to_bytes(8, "big")]`` on the DEALER."""
+
+    start_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResetReplay:
+    """Close and recreate the DEALER, so that replies to an abandoned request are dropped."""
+
+
+Action = Deliver | StreamStarted | PublisherRestarted | EventsLost | SendReplay | ResetReplay
+
+
+def _counter(name: str, doc: str) -> property:
+    attr = "_n_" + name
+    return property(lambda self: getattr(self, attr), doc=doc)
+
+
+class StreamSequencer:
+    """State machine for one (pod, dp_rank) stream. See the module docstring.
+
+    State, per epoch: ``_next`` (every seq below it is accounted for), ``_live_max`` (highest
+    seq seen on the live socket: a live seq at or below it means a restart), ``_seen_max``
+    (highest seq known to exist, live or replayed; may lag ``_next - 1`` on the hot path),
+    ``_held`` (live messages above ``_next``, increasing). A *recovery* runs while held or
+    known seqs are unaccounted: attempts (one SendReplay each, then replies) separated by
+    backoff waits; it ends in success (everything known accounted) or gives up.
+    """
+
+    __slots__ = (
+        "_cfg",
+        "_epoch",
+        "_expect",
+        "_next",
+        "_last",
+        "_live_max",
+        "_seen_max",
+        "_held",
+        "_started",
+        "_recovering",
+        "_in_flight",
+        "_attempt_first",
+        "_attempt_from",
+        "_attempt_broken",
+        "_failures",
+        "_idle_at",
+        "_deadline_at",
+        "_retry_at",
+        "_cooldown_until",
+        "_n_gaps",
+        "_n_replays_requested",
+        "_n_replays_succeeded",
+        "_n_replays_failed",
+        "_n_replays_given_up",
+        "_n_duplicates_dropped",
+        "_n_stale_replies",
+        "_n_replay_discarded",
+        "_n_held_dropped",
+        "_n_restarts",
+        "_n_lost",
+    )
+
+    def __init__(self, config: SequencerConfig, epoch: int) -> None:
+        self._cfg = config
+        self._epoch = epoch
+        self._expect = -1  # == _next when the hot path applies, else -1
+        self._next = 0
+        self._last: int | None = None
+        self._live_max: int | None = None
+        self._seen_max: int | None = None
+        self._held: deque[tuple[int, bytes]] = deque()
+        self._started = False  # StreamStarted / PublisherRestarted emitted for this epoch
+        self._recovering = False
+        self._in_flight = False
+        self._attempt_first = False
+        self._attempt_from = 0
+        self._attempt_broken = False
+        self._failures = 0
+        self._idle_at = 0.0
+        self._deadline_at = 0.0
+        self._retry_at = 0.0
+        self._cooldown_until = float("-inf")
+        self._n_gaps = 0
+        self._n_replays_requested = 0
+        self._n_replays_succeeded = 0
+        self._n_replays_failed = 0
+        self._n_replays_given_up = 0
+        self._n_duplicates_dropped = 0
+        self._n_stale_replies = 0
+        self._n_replay_discarded = 0
+        self._n_held_dropped = 0
+        self._n_restarts = 0
+        self._n_lost = 0
+
+    # ------------------------------------------------------------------ inputs
+
+    def on_live(self, seq: int, payload: bytes, now: float) -> list[Action]:
+        """A message ``[topic, seq, payload]`` arrived on the SUB socket."""
+        if seq == self._expect:  # in order, nothing pending: the 99.9% case
+            self._expect = self._next = seq + 1
+            self._live_max = self._last = seq
+            return [Deliver(self._epoch, seq, payload, False)]
+        return self._on_live_slow(seq, payload, now)
+
+    def on_connect(self, now: float) -> list[Action]:
+        """The transport (re)connected: replay whatever may have been missed meanwhile."""
+        out: list[Action] = []
+        fresh = self._next == 0 and self._seen_max is None  # nothing known of this incarnation
+        if self._cfg.replay_enabled and now >= self._cooldown_until:
+            if self._recovering:
+                self._restart_attempt(out, now)
+            elif not fresh or self._cfg.first_contact == "replay":
+                self._begin_recovery(out, now)
+        self._sync()
+        return out
+
+    def on_replay_batch(self, seq: int, payload: bytes, now: float) -> list[Action]:
+        """A replayed batch ``seq`` arrived on the DEALER."""
+        if not self._in_flight:
+            self._n_stale_replies += 1
+            return []
+        self._idle_at = now + self._cfg.replay_idle_timeout
+        first = self._attempt_first
+        self._attempt_first = False
+        if self._seen_max is None or seq > self._seen_max:
+            self._seen_max = seq
+        if self._attempt_broken:
+            self._n_replay_discarded += 1
+            return []
+        nxt = self._next
+        if seq < nxt:
+            self._n_duplicates_dropped += 1
+            return []
+        out: list[Action] = []
+        if seq > nxt:
+            if not first:
+                # A hole inside the reply (a slow reader's batches dropped by the ROUTER before
+                # vLLM 0.33, or a seq that was never buffered): retry from _next after the end.
+                self._attempt_broken = True
+                self._n_replay_discarded += 1
+                return out
+            # The first reply starts later: the ring no longer holds _next..seq-1.
+            self._account_to(out, seq, LOST_NOT_IN_REPLAY_BUFFER)
+        self._deliver(out, seq, payload, True)
+        self._release(out)
+        self._sync()
+        return out
+
+    def on_replay_end(self, now: float) -> list[Action]:
+        """The end marker (seq ``ff`` x 8) arrived on the DEALER."""
+        if not self._in_flight:
+            self._n_stale_replies += 1
+            return []
+        out: list[Action] = []
+        self._in_flight = False
+        self._attempt_over(out, now, timed_out=False)
+        self._sync()
+        return out
+
+    def on_tick(self, now: float) -> list[Action]:
+        """Fire due timers (attempt timeouts, backoff)."""
+        if not self._recovering:
+            return []
+        out: list[Action] = []
+        if self._in_flight and (now >= self._idle_at or now >= self._deadline_at):
+            self._in_flight = False
+            out.append(ResetReplay())
+            self._attempt_over(out, now, timed_out=True)
+        if self._recovering and not self._in_flight and now >= self._retry_at:
+            self._send(out, now)
+        self._sync()
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`on_tick` must be called next (None: no timer armed)."""
+        if self._in_flight:
+            return min(self._idle_at, self._deadline_at)
+        if self._recovering:
+            return self._retry_at
+        return None
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def config(self) -> SequencerConfig:
+        return self._cfg
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def last_seq(self) -> int | None:
+        """Last seq delivered in the current epoch (None before any)."""
+        return self._last
+
+    @property
+    def next_seq(self) -> int:
+        """Lowest seq of the current epoch not yet delivered or reported lost."""
+        return self._next
+
+    @property
+    def replay_in_flight(self) -> bool:
+        """A replay request awaits replies (the DEALER should be read)."""
+        return self._in_flight
+
+    @property
+    def recovering(self) -> bool:
+        """A recovery is under way: an attempt in flight or a backoff wait before the next."""
+        return self._recovering
+
+    @property
+    def held(self) -> int:
+        """Live messages held until a replay fills the range below them."""
+        return len(self._held)
+
+    def in_cooldown(self, now: float) -> bool:
+        """True while gaps are reported lost without replay after a recovery gave up."""
+        return now < self._cooldown_until
+
+    gaps = _counter("gaps", "Live messages that skipped past the next expected seq.")
+    replays_requested = _counter("replays_requested", "SendReplay actions emitted (attempts).")
+    replays_succeeded = _counter("replays_succeeded", "Recoveries that ended complete.")
+    replays_failed = _counter("replays_failed", "Attempts that timed out or came back short.")
+    replays_given_up = _counter("replays_given_up", "Recoveries abandoned after max attempts.")
+    duplicates_dropped = _counter("duplicates_dropped", "Messages for already accounted seqs.")
+    stale_replies = _counter("stale_replies", "Replies arriving with no attempt in flight.")
+    replay_discarded = _counter("replay_discarded", "Replies ignored beyond a hole in a reply.")
+    held_dropped = _counter("held_dropped", "Live messages dropped because max_held were held.")
+    restarts = _counter("restarts", "Publisher restarts detected.")
+    lost = _counter("lost", "Seqs reported lost (sum of EventsLost range sizes).")
+
+    def __repr__(self) -> str:
+        return (
+            f"<StreamSequencer epoch={self._epoch} next={self._next} live_max={self._live_max}"
+            f" held={len(self._held)} recovering={self._recovering} in_flight={self._in_flight}>"
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _on_live_slow(self, seq: int, payload: bytes, now: float) -> list[Action]:
+        out: list[Action] = []
+        live_max = self._live_max
+        # A PUB never repeats a seq: going back (or to 0 after anything higher) is a restart.
+        if (live_max is not None and seq <= live_max) or (seq == 0 and self._highest() > 0):
+            self._restart(out, seq)
+            live_max = None
+        nxt = self._next
+        expected = nxt if live_max is None else max(nxt, live_max + 1)
+        if seq > expected and (live_max is not None or nxt > 0):
+            self._n_gaps += 1
+        self._live_max = seq
+        if self._seen_max is None or seq > self._seen_max:
+            self._seen_max = seq
+        cfg = self._cfg
+        if seq < nxt:  # already delivered from a replay
+            self._n_duplicates_dropped += 1
+        elif self._recovering:
+            if seq == nxt and not self._held:
+                self._deliver(out, seq, payload, False)
+            else:
+                self._hold(seq, payload)
+        elif seq == nxt:
+            self._deliver(out, seq, payload, False)
+        elif nxt == 0:  # first message of this incarnation, and it is not seq 0
+            if cfg.replay_enabled and cfg.first_contact == "replay" and now >= self._cooldown_until:
+                self._hold(seq, payload)
+                self._begin_recovery(out, now)
+            else:
+                self._lose(out, 0, seq - 1, LOST_BEFORE_FIRST_CONTACT)
+                self._deliver(out, seq, payload, False)
+        elif cfg.replay_enabled and now >= self._cooldown_until:
+            self._hold(seq, payload)
+            self._begin_recovery(out, now)
+        else:
+            reason = LOST_REPLAY_COOLDOWN if cfg.replay_enabled else LOST_REPLAY_DISABLED
+            self._lose(out, nxt, seq - 1, reason)
+            self._deliver(out, seq, payload, False)
+        self._sync()
+        return out
+
+    def _highest(self) -> int:
+        seen = -1 if self._seen_max is None else self._seen_max
+        return max(seen, self._next - 1)
+
+    def _restart(self, out: list[Action], seq: int) -> None:
+        self._n_restarts += 1
+        if self._in_flight:
+            out.append(ResetReplay())
+        reason = LOST_RESTARTED_DURING_REPLAY if self._recovering else LOST_RESTARTED
+        if self._seen_max is not None:
+            self._account_to(out, self._seen_max + 1, reason)
+        old = self._epoch
+        out.append(PublisherRestarted(old, old + 1, self._last, seq))
+        self._epoch = old + 1
+        self._next = 0
+        self._last = self._live_max = self._seen_max = None
+        self._held.clear()
+        self._started = True  # PublisherRestarted opens the new epoch
+        self._recovering = self._in_flight = False
+        self._failures = 0
+
+    def _hold(self, seq: int, payload: bytes) -> None:
+        if len(self._held) < self._cfg.max_held:
+            self._held.append((seq, payload))
+        else:  # still in vLLM's ring: the recovery fetches it (it counts in _seen_max)
+            self._n_held_dropped += 1
+
+    def _begin_recovery(self, out: list[Action], now: float) -> None:
+        self._recovering = True
+        self._failures = 0
+        self._send(out, now)
+
+    def _restart_attempt(self, out: list[Action], now: float) -> None:
+        if self._in_flight:
+            out.append(ResetReplay())
+        self._send(out, now)
+
+    def _send(self, out: list[Action], now: float) -> None:
+        out.append(SendReplay(self._next))
+        self._n_replays_requested += 1
+        self._in_flight = True
+        self._attempt_first = True
+        self._attempt_broken = False
+        self._attempt_from = self._next
+        self._idle_at = now + self._cfg.replay_idle_timeout
+        self._deadline_at = now + self._cfg.replay_deadline
+
+    def _complete(self) -> bool:
+        return not self._held and (self._seen_max is None or self._next > self._seen_max)
+
+    def _attempt_over(self, out: list[Action], now: float, timed_out: bool) -> None:
+        """An attempt ended (end marker or timeout; _in_flight already cleared)."""
+        if self._complete():
+            self._recovering = False
+            self._failures = 0
+            self._n_replays_succeeded += 1
+            if not self._started:  # first contact, nothing ever published: start empty
+                self._start(out)
+            return
+        progressed = self._next > self._attempt_from
+        if progressed and not timed_out and not self._attempt_broken:
+            # A clean reply that moved forward but stopped short (tail cut, or a new gap
+            # appeared among the held messages): ask again at once.
+            self._failures = 0
+            self._send(out, now)
+            return
+        self._n_replays_failed += 1
+        self._failures = 1 if progressed else self._failures + 1
+        reason = LOST_REPLAY_TIMED_OUT if timed_out else LOST_REPLAY_INCOMPLETE
+        cfg = self._cfg
+        if self._failures >= cfg.replay_max_attempts:
+            self._give_up(out, now, reason)
+            return
+        delay = cfg.backoff_initial * cfg.backoff_factor ** (self._failures - 1)
+        self._retry_at = now + min(cfg.backoff_max, delay)
+
+    def _give_up(self, out: list[Action], now: float, reason: str) -> None:
+        self._n_replays_given_up += 1
+        self._recovering = False
+        self._failures = 0
+        self._cooldown_until = now + self._cfg.replay_cooldown
+        if self._seen_max is not None:
+            self._account_to(out, self._seen_max + 1, reason)
+
+    def _start(self, out: list[Action]) -> None:
+        out.append(StreamStarted(self._epoch, self._next))
+        self._started = True
+
+    def _deliver(self, out: list[Action], seq: int, payload: bytes, replayed: bool) -> None:
+        """Deliver ``seq``, which must equal ``_next``."""
+        if not self._started:
+            self._start(out)
+        out.append(Deliver(self._epoch, seq, payload, replayed))
+        self._next = seq + 1
+        self._last = seq
+
+    def _lose(self, out: list[Action], first: int, last: int, reason: str) -> None:
+        """Report ``first..last`` lost; ``first`` must equal ``_next``."""
+        if not self._started:
+            self._start(out)
+        out.append(EventsLost(self._epoch, first, last, reason))
+        self._n_lost += last - first + 1
+        self._next = last + 1
+
+    def _account_to(self, out: list[Action], end: int, reason: str) -> None:
+        """Account every seq below ``end``: held ones delivered, the others lost, in order."""
+        held = self._held
+        while held and held[0][0] < end:
+            seq, payload = held.popleft()
+            if seq < self._next:
+                self._n_duplicates_dropped += 1
+                continue
+            if seq > self._next:
+                self._lose(out, self._next, seq - 1, reason)
+            self._deliver(out, seq, payload, False)
+        if end > self._next:
+            self._lose(out, self._next, end - 1, reason)
+
+    def _release(self, out: list[Action]) -> None:
+        """Deliver held messages that are now in order; drop those already delivered."""
+        held = self._held
+        while held and held[0][0] <= self._next:
+            seq, payload = held.popleft()
+            if seq == self._next:
+                self._deliver(out, seq, payload, False)
+            else:
+                self._n_duplicates_dropped += 1
+
+    def _sync(self) -> None:
+        # Outside a recovery everything seen is accounted and nothing is held, so a live
+        # seq equal to _next is in order (and above _live_max): the hot path may take it.
+        self._expect = self._next if self._started and not self._recovering else -1

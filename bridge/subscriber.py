@@ -1,0 +1,235 @@
+"""The thin I/O layer of one (pod, dp_rank) stream: SUB + DEALER sockets driving the sequencer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from bridge import markers
+from bridge.pipeline import Pipeline, StreamInfo
+from bridge.ratelimit import RateLimitedLog
+from bridge.sequencer import (
+    Deliver,
+    EventsLost,
+    PublisherRestarted,
+    ResetReplay,
+    SendReplay,
+    SequencerConfig,
+    StreamSequencer,
+    StreamStarted,
+)
+from bridge.vllm.framing import (
+    FrameError,
+    ReplayBatch,
+    parse_live,
+    parse_replay_reply,
+    replay_request,
+)
+
+log = logging.getLogger(__name__)
+
+# Messages taken from one socket per loop turn, so one busy pod cannot starve the others.
+RECV_BUDGET = 512
+
+
+class SocketRegistry:
+    """What a subscriber needs from the event loop: (un)registering sockets for polling."""
+
+    def __init__(self, poller: zmq.Poller) -> None:
+        self.poller = poller
+        self.handlers: dict[zmq.Socket, Callable[[float], None]] = {}
+
+    def add(self, sock: zmq.Socket, handler: Callable[[float], None]) -> None:
+        self.handlers[sock] = handler
+        self.poller.register(sock, zmq.POLLIN)
+
+    def remove(self, sock: zmq.Socket) -> None:
+        self.handlers.pop(sock, None)
+        self.poller.unregister(sock)
+
+
+class StreamSubscriber:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        info: StreamInfo,
+        pub_endpoint: str,
+        replay_endpoint: str | None,
+        topic: bytes,
+        seq_config: SequencerConfig,
+        epoch: int,
+        pipeline: Pipeline,
+        registry: SocketRegistry,
+        rcvhwm: int,
+        max_message_bytes: int,
+        bad_input: RateLimitedLog,
+    ) -> None:
+        self.ctx = ctx
+        self.info = info
+        self.pub_endpoint = pub_endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.sequencer = StreamSequencer(seq_config, epoch)
+        self.pipeline = pipeline
+        self.registry = registry
+        self.rcvhwm = rcvhwm
+        self.max_message_bytes = max_message_bytes
+        self.bad_input = bad_input
+        self.metrics = pipeline.metrics
+        self.connected = False
+        self.sub: zmq.Socket | None = None
+        self.dealer: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None
+
+    # -- sockets -------------------------------------------------------------------------------
+    def open(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        # ZMTP heartbeats: a silent dead peer shows up as a disconnect, then a reconnect.
+        sub.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+        sub.setsockopt(zmq.RECONNECT_IVL, 200)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(self.pub_endpoint)
+        self.sub = sub
+        self.registry.add(sub, self.on_sub_readable)
+        self.registry.add(self.monitor, self.on_monitor)
+        self._open_dealer()
+
+    def _open_dealer(self) -> None:
+        if self.replay_endpoint is None:
+            return
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)  # a replay may be large; the sequencer bounds the work
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        dealer.connect(self.replay_endpoint)
+        self.dealer = dealer
+        self.registry.add(dealer, self.on_dealer_readable)
+
+    def _close_dealer(self) -> None:
+        if self.dealer is not None:
+            self.registry.remove(self.dealer)
+            self.dealer.close(linger=0)
+            self.dealer = None
+
+    def close(self) -> None:
+        self._close_dealer()
+        for sock in (self.sub, self.monitor):
+            if sock is not None:
+                self.registry.remove(sock)
+        if self.sub is not None:
+            self.sub.disable_monitor()
+            self.sub.close(linger=0)
+        if self.monitor is not None:
+            self.monitor.close(linger=0)
+        self.sub = self.monitor = None
+
+    # -- inputs --------------------------------------------------------------------------------
+    def on_monitor(self, now: float) -> None:
+        assert self.monitor is not None
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_CONNECTED and not self.connected:
+                self.connected = True
+                log.info(
+                    "pod %s rank %d: connected to %s",
+                    self.info.pod,
+                    self.info.dp_rank,
+                    self.pub_endpoint,
+                )
+                self._apply(self.sequencer.on_connect(now))
+            elif event == zmq.EVENT_DISCONNECTED and self.connected:
+                self.connected = False
+                log.warning(
+                    "pod %s rank %d: disconnected from %s; reconnecting",
+                    self.info.pod,
+                    self.info.dp_rank,
+                    self.pub_endpoint,
+                )
+
+    def on_sub_readable(self, now: float) -> None:
+        sub = self.sub
+        assert sub is not None
+        for _ in range(RECV_BUDGET):
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = parse_live(frames)
+            except FrameError as exc:
+                self.metrics.decode_errors.labels(self.info.pod, "frames").inc()
+                self.bad_input.warning(self.info.pod, "frames", "bad live message: %s", exc)
+                continue
+            self._apply(self.sequencer.on_live(msg.seq, msg.payload, now))
+
+    def on_dealer_readable(self, now: float) -> None:
+        dealer = self.dealer
+        for _ in range(RECV_BUDGET):
+            if dealer is None or dealer is not self.dealer:
+                return  # reset while handling the previous message
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = parse_replay_reply(frames)
+            except FrameError as exc:
+                self.metrics.decode_errors.labels(self.info.pod, "replay_frames").inc()
+                self.bad_input.warning(self.info.pod, "replay_frames", "bad replay reply: %s", exc)
+                continue
+            if isinstance(reply, ReplayBatch):
+                self._apply(self.sequencer.on_replay_batch(reply.seq, reply.payload, now))
+            else:
+                self._apply(self.sequencer.on_replay_end(now))
+
+    def on_tick(self, now: float) -> None:
+        self._apply(self.sequencer.on_tick(now))
+
+    def next_deadline(self) -> float | None:
+        return self.sequencer.next_deadline()
+
+    # -- actions -------------------------------------------------------------------------------
+    def _apply(self, actions: list) -> None:
+        for action in actions:
+            if type(action) is Deliver:
+                self.pipeline.deliver(
+                    self.info, action.epoch, action.seq, action.payload, action.replayed
+                )
+            elif isinstance(action, SendReplay):
+                self._send_replay(action.start_seq)
+            elif isinstance(action, ResetReplay):
+                self._close_dealer()
+                self._open_dealer()
+            elif isinstance(action, StreamStarted):
+                m = markers.StreamStarted(action.next_seq, self.pub_endpoint)
+                self.pipeline.marker(self.info, action.epoch, action.next_seq, m)
+            elif isinstance(action, PublisherRestarted):
+                self.metrics.restarts.labels(self.info.pod).inc()
+                m = markers.PublisherRestarted(action.old_epoch, action.last_seq, action.seq)
+                self.pipeline.marker(self.info, action.epoch, action.seq, m)
+            elif isinstance(action, EventsLost):
+                m = markers.EventsLost(action.from_seq, action.to_seq, action.reason)
+                self.pipeline.marker(self.info, action.epoch, action.from_seq, m)
+            else:
+                raise TypeError(f"unexpected sequencer action {action!r}")
+
+    def _send_replay(self, start_seq: int) -> None:
+        self.metrics.replays.labels(self.info.pod, "requested").inc()
+        log.info("pod %s rank %d: replay from seq %d", self.info.pod, self.info.dp_rank, start_seq)
+        if self.dealer is None:
+            return  # no replay endpoint: the sequencer's timeout reports the loss
+        try:
+            self.dealer.send_multipart(replay_request(start_seq), zmq.NOBLOCK)
+        except zmq.Again:
+            self.bad_input.warning(
+                self.info.pod, "replay_send", "replay request not sent (queue full)"
+            )

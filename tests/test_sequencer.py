@@ -1,0 +1,760 @@
+"""StreamSequencer: first contact, gaps, replay retries, timeouts, restarts, reconnects.
+
+Scenario tests pin each behaviour down action by action; the hypothesis test at the end
+drives the sequencer with a model vLLM publisher (incarnations, lossy PUB, bounded replay
+ring, misbehaving replay replies, restarts, reconnects, a clock) and checks the invariants.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bridge.sequencer import (
+    LOST_BEFORE_FIRST_CONTACT,
+    LOST_NOT_IN_REPLAY_BUFFER,
+    LOST_REASONS,
+    LOST_REPLAY_COOLDOWN,
+    LOST_REPLAY_DISABLED,
+    LOST_REPLAY_INCOMPLETE,
+    LOST_REPLAY_TIMED_OUT,
+    LOST_RESTARTED_DURING_REPLAY,
+    Action,
+    Deliver,
+    EventsLost,
+    PublisherRestarted,
+    ResetReplay,
+    SendReplay,
+    SequencerConfig,
+    StreamSequencer,
+    StreamStarted,
+)
+
+E = 5  # epoch given at construction
+
+
+def pl(seq: int, inc: int = 0) -> bytes:
+    return b"inc%d/seq%d" % (inc, seq)
+
+
+def D(seq: int, replayed: bool = False, epoch: int = E, inc: int = 0) -> Deliver:
+    return Deliver(epoch, seq, pl(seq, inc), replayed)
+
+
+def Ds(seqs, replayed: bool = False, epoch: int = E, inc: int = 0) -> list[Deliver]:
+    return [D(s, replayed, epoch, inc) for s in seqs]
+
+
+def live(sq: StreamSequencer, *seqs: int, now: float = 0.0, inc: int = 0) -> list[Action]:
+    out: list[Action] = []
+    for s in seqs:
+        out += sq.on_live(s, pl(s, inc), now)
+    return out
+
+
+def replay(
+    sq: StreamSequencer, seqs, now: float = 0.0, end: bool = True, inc: int = 0
+) -> list[Action]:
+    out: list[Action] = []
+    for s in seqs:
+        out += sq.on_replay_batch(s, pl(s, inc), now)
+    if end:
+        out += sq.on_replay_end(now)
+    return out
+
+
+def make(**kw) -> StreamSequencer:
+    return StreamSequencer(SequencerConfig(**kw), E)
+
+
+def running(*seqs: int, **kw) -> StreamSequencer:
+    """A sequencer that took live seqs ``seqs`` in order (live first contact by default)."""
+    kw.setdefault("first_contact", "live")
+    sq = make(**kw)
+    live(sq, *seqs)
+    return sq
+
+
+# ---------------------------------------------------------------------------- first contact
+
+
+def test_first_contact_replays_from_zero_and_holds_live():
+    sq = make()
+    assert sq.on_connect(0.0) == [SendReplay(0)]
+    assert sq.replay_in_flight and sq.recovering
+    assert live(sq, 4, 5) == []  # held while the replay runs
+    assert sq.held == 2
+    assert replay(sq, [0, 1, 2, 3, 4, 5, 6], end=False) == [
+        StreamStarted(E, 0),
+        *Ds([0, 1, 2, 3], replayed=True),
+        *Ds([4, 5]),  # released from the held live copies as soon as in order
+        D(6, replayed=True),
+    ]
+    assert sq.on_replay_end(0.1) == []
+    assert not sq.recovering and sq.held == 0 and sq.next_deadline() is None
+    assert sq.duplicates_dropped == 2 and sq.replays_succeeded == 1
+    assert live(sq, 6, 7) == [D(7)]  # 6 came by replay first: a duplicate, not a restart
+    assert sq.epoch == E and sq.last_seq == 7 and sq.restarts == 0
+
+
+def test_first_contact_buffer_no_longer_reaching_back():
+    sq = make()
+    sq.on_connect(0.0)
+    live(sq, 31)
+    assert replay(sq, range(20, 32)) == [
+        StreamStarted(E, 0),
+        EventsLost(E, 0, 19, LOST_NOT_IN_REPLAY_BUFFER),
+        *Ds(range(20, 31), replayed=True),
+        D(31),
+    ]
+    assert sq.lost == 20
+
+
+def test_first_contact_empty_replay_starts_empty():
+    sq = make()
+    sq.on_connect(0.0)
+    assert sq.on_replay_end(0.0) == [StreamStarted(E, 0)]
+    assert live(sq, 0, 1) == Ds([0, 1])
+
+
+def test_first_live_without_connect_replays_unless_it_is_seq_zero():
+    sq = make()
+    assert live(sq, 0, 1) == [StreamStarted(E, 0), D(0), D(1)]
+    sq = make()
+    assert live(sq, 3) == [SendReplay(0)]
+    assert replay(sq, [1, 2, 3]) == [
+        StreamStarted(E, 0),
+        EventsLost(E, 0, 0, LOST_NOT_IN_REPLAY_BUFFER),
+        D(1, True),
+        D(2, True),
+        D(3),
+    ]
+
+
+@pytest.mark.parametrize("kw", [{"first_contact": "live"}, {"replay_enabled": False}])
+def test_first_contact_live_only_reports_the_unknown_prefix(kw):
+    sq = make(**kw)
+    assert sq.on_connect(0.0) == []
+    assert live(sq, 7, 8) == [
+        StreamStarted(E, 0),
+        EventsLost(E, 0, 6, LOST_BEFORE_FIRST_CONTACT),
+        D(7),
+        D(8),
+    ]
+    sq = make(**kw)
+    assert live(sq, 0) == [StreamStarted(E, 0), D(0)]
+
+
+def test_hot_path_is_a_single_deliver():
+    sq = running(0)
+    for s in range(1, 50):
+        assert sq.on_live(s, pl(s), 0.0) == [D(s)]
+    assert sq.last_seq == 49 and sq.next_seq == 50 and sq.next_deadline() is None
+
+
+# ---------------------------------------------------------------------------- gaps
+
+
+def test_gap_recovered_by_replay():
+    sq = running(0, 1)
+    assert live(sq, 4, now=1.0) == [SendReplay(2)]
+    assert sq.gaps == 1 and sq.next_deadline() == pytest.approx(1.0 + 2.0)
+    assert live(sq, 5) == []
+    assert replay(sq, [2, 3, 4, 5, 6], now=1.1) == [D(2, True), D(3, True), D(4), D(5), D(6, True)]
+    assert not sq.recovering and sq.replays_succeeded == 1 and sq.replays_failed == 0
+    assert live(sq, 6, 7) == [D(7)]  # 6: duplicate of the replayed copy
+    assert sq.duplicates_dropped == 3
+
+
+def test_gap_where_buffer_no_longer_reaches_back():
+    sq = running(0, 1)
+    live(sq, 9)
+    assert replay(sq, [5, 6, 7, 8, 9]) == [
+        EventsLost(E, 2, 4, LOST_NOT_IN_REPLAY_BUFFER),
+        *Ds([5, 6, 7, 8], replayed=True),
+        D(9),
+    ]
+
+
+def test_late_first_reply_skips_past_held_messages():
+    sq = running(0, max_held=10)
+    live(sq, 3, 5, 9)  # 1-2, 4, 6-8 missing
+    assert replay(sq, [6, 7, 8, 9]) == [
+        EventsLost(E, 1, 2, LOST_NOT_IN_REPLAY_BUFFER),
+        D(3),
+        EventsLost(E, 4, 4, LOST_NOT_IN_REPLAY_BUFFER),
+        D(5),
+        *Ds([6, 7, 8], replayed=True),
+        D(9),
+    ]
+
+
+def test_new_gap_among_held_after_progress_asks_again_at_once():
+    sq = running(0)
+    live(sq, 2, 5)  # 1 missing, then 3-4 missing
+    # The reply was served before 3 and 4 existed on vLLM's side; it delivers 1, releases 2.
+    assert replay(sq, [1, 2]) == [D(1, True), D(2), SendReplay(3)]
+    assert replay(sq, [3, 4, 5]) == [D(3, True), D(4, True), D(5)]
+    assert sq.replays_failed == 0 and sq.replays_requested == 2 and not sq.recovering
+
+
+def test_mid_reply_hole_then_retry_succeeds():
+    sq = running(0, 1, backoff_initial=0.25)
+    live(sq, 8, now=0.0)
+    # Old vLLM: the ROUTER dropped 4 and 5 for a slow reader but still sent the end marker.
+    assert replay(sq, [2, 3, 6, 7, 8], now=0.5) == [D(2, True), D(3, True)]
+    assert sq.replay_discarded == 3 and sq.replays_failed == 1 and sq.recovering
+    assert not sq.replay_in_flight
+    assert sq.next_deadline() == 0.75  # end marker + backoff_initial
+    assert sq.on_tick(0.74) == []
+    assert sq.on_tick(0.75) == [SendReplay(4)]
+    assert replay(sq, [4, 5, 6, 7, 8], now=0.8) == [*Ds([4, 5, 6, 7], True), D(8)]
+    assert sq.lost == 0 and not sq.recovering
+
+
+def test_permanent_hole_is_lost_after_one_retry():
+    sq = running(0)
+    live(sq, 6)
+    # seq 3 failed to encode in vLLM: consumed, never sent, never buffered.
+    assert replay(sq, [1, 2, 4, 5, 6], now=0.0) == [D(1, True), D(2, True)]
+    assert sq.on_tick(0.2) == [SendReplay(3)]
+    assert replay(sq, [4, 5, 6], now=0.3) == [
+        EventsLost(E, 3, 3, LOST_NOT_IN_REPLAY_BUFFER),
+        D(4, True),
+        D(5, True),
+        D(6),
+    ]
+
+
+def test_replay_disabled_reports_gaps_at_once():
+    sq = running(0, 1, replay_enabled=False)
+    assert sq.on_connect(1.0) == []  # reconnect: nothing to ask
+    assert live(sq, 5, 6) == [EventsLost(E, 2, 4, LOST_REPLAY_DISABLED), D(5), D(6)]
+    assert sq.replays_requested == 0 and sq.gaps == 1
+
+
+# ---------------------------------------------------------------------------- timers
+
+
+def test_idle_timeouts_backoff_give_up_and_cooldown():
+    sq = running(0, 1, backoff_initial=0.25)
+    assert live(sq, 5, now=10.0) == [SendReplay(2)]
+    live(sq, 7, now=10.5)
+    assert sq.next_deadline() == 12.0
+    assert sq.on_tick(11.99) == []
+    assert sq.on_tick(12.0) == [ResetReplay()]  # attempt 1 timed out
+    assert sq.next_deadline() == 12.25
+    assert sq.on_tick(12.25) == [SendReplay(2)]
+    assert sq.on_tick(14.25) == [ResetReplay()]  # attempt 2
+    assert sq.next_deadline() == 14.75  # 0.25 * 2
+    assert sq.on_tick(14.75) == [SendReplay(2)]
+    assert sq.on_tick(16.75) == [
+        ResetReplay(),
+        EventsLost(E, 2, 4, LOST_REPLAY_TIMED_OUT),
+        D(5),
+        EventsLost(E, 6, 6, LOST_REPLAY_TIMED_OUT),
+        D(7),
+    ]
+    assert sq.replays_failed == 3 and sq.replays_given_up == 1 and sq.replays_requested == 3
+    assert not sq.recovering and sq.next_deadline() is None and sq.in_cooldown(46.7)
+    # Within the cooldown a gap is lost at once; reconnects do not replay either.
+    assert live(sq, 9, now=46.0) == [EventsLost(E, 8, 8, LOST_REPLAY_COOLDOWN), D(9)]
+    assert sq.on_connect(46.1) == []
+    # After it, replay again.
+    assert not sq.in_cooldown(46.75)
+    assert live(sq, 11, now=46.75) == [SendReplay(10)]
+
+
+def test_stale_replies_after_timeout_are_ignored():
+    sq = running(0)
+    live(sq, 3, now=0.0)
+    assert sq.on_tick(2.0) == [ResetReplay()]
+    assert sq.on_replay_batch(1, pl(1), 2.1) == []
+    assert sq.on_replay_end(2.1) == []
+    assert sq.stale_replies == 2 and sq.next_seq == 1
+
+
+def test_deadline_bounds_a_trickling_attempt():
+    sq = running(0, replay_deadline=3.0, replay_max_attempts=1, max_held=100)
+    live(sq, 50, now=0.0)
+    out = []
+    t = 0.0
+    for s in range(1, 20):  # one reply per second: the idle timer never fires
+        t += 1.0
+        if sq.next_deadline() <= t:
+            out += sq.on_tick(t)
+        if not sq.replay_in_flight:
+            break
+        out += sq.on_replay_batch(s, pl(s), t)
+    assert out == [
+        *Ds([1, 2], replayed=True),
+        ResetReplay(),
+        EventsLost(E, 3, 49, LOST_REPLAY_TIMED_OUT),
+        D(50),
+    ]
+
+
+def test_timeout_after_everything_arrived_is_a_success():
+    sq = running(0)
+    live(sq, 3, now=0.0)
+    assert replay(sq, [1, 2, 3], now=0.5, end=False) == [D(1, True), D(2, True), D(3)]
+    assert sq.on_tick(2.5) == [ResetReplay()]  # end marker never came; nothing missing
+    assert sq.replays_succeeded == 1 and sq.replays_failed == 0 and sq.lost == 0
+
+
+def test_backoff_is_capped():
+    sq = running(0, replay_max_attempts=6, backoff_initial=1.0, backoff_max=3.0)
+    live(sq, 2, now=0.0)
+    delays = []
+    t = 0.0
+    while sq.recovering:
+        t = sq.next_deadline()
+        out = sq.on_tick(t)
+        if out == [ResetReplay()]:
+            delays.append(sq.next_deadline() - t)
+    assert delays == pytest.approx([1.0, 2.0, 3.0, 3.0, 3.0])
+    assert sq.replays_requested == 6
+
+
+def test_empty_replies_give_up_as_incomplete():
+    sq = running(0, 1, replay_max_attempts=2)
+    live(sq, 4, now=0.0)
+    assert sq.on_replay_end(0.1) == []
+    assert sq.on_tick(0.5) == [SendReplay(2)]
+    assert sq.on_replay_end(0.6) == [EventsLost(E, 2, 3, LOST_REPLAY_INCOMPLETE), D(4)]
+    assert sq.replays_given_up == 1
+
+
+def test_progress_resets_the_attempt_count():
+    sq = running(0, replay_max_attempts=2, max_held=100)
+    live(sq, 40, now=0.0)
+    t = 0.0
+    while sq.recovering:  # every reply: three batches, then a hole
+        start = sq.next_seq
+        replay(sq, [start, start + 1, start + 2, start + 4], now=t)
+        if sq.recovering:
+            t = sq.next_deadline()
+            assert sq.on_tick(t) == [SendReplay(start + 3)]
+    assert sq.lost == 0 and sq.last_seq == 41  # 41 came with the last reply
+    assert sq.replays_given_up == 0
+
+
+# ---------------------------------------------------------------------------- held overflow
+
+
+def test_held_overflow_is_recovered_by_the_next_round():
+    sq = running(0, max_held=2)
+    assert live(sq, 3, 4, 5, 6) == [SendReplay(1)]
+    assert sq.held == 2 and sq.held_dropped == 2
+    # vLLM answered before 5 and 6 existed: 1..4 complete, but 5 and 6 were seen.
+    assert replay(sq, [1, 2, 3, 4]) == [D(1, True), D(2, True), D(3), D(4), SendReplay(5)]
+    assert replay(sq, [5, 6, 7]) == Ds([5, 6, 7], replayed=True)
+    assert not sq.recovering and sq.lost == 0
+
+
+def test_held_overflow_after_give_up_is_reported_lost():
+    sq = running(0, max_held=1, replay_max_attempts=1)
+    live(sq, 3, 4, 5, now=0.0)
+    assert sq.on_tick(2.0) == [
+        ResetReplay(),
+        EventsLost(E, 1, 2, LOST_REPLAY_TIMED_OUT),
+        D(3),
+        EventsLost(E, 4, 5, LOST_REPLAY_TIMED_OUT),
+    ]
+    assert live(sq, 6, now=2.1) == [D(6)]
+
+
+# ---------------------------------------------------------------------------- restarts
+
+
+def test_restart_without_replay_in_flight():
+    sq = running(0, 1, 2)
+    assert live(sq, 0, 1, inc=1) == [
+        PublisherRestarted(E, E + 1, 2, 0),
+        D(0, epoch=E + 1, inc=1),
+        D(1, epoch=E + 1, inc=1),
+    ]
+    assert sq.epoch == E + 1 and sq.restarts == 1 and sq.last_seq == 1
+
+
+def test_restart_to_a_later_seq_replays_the_new_incarnation_from_zero():
+    sq = make()
+    live(sq, 0, 1, 2, 3, 4)
+    assert live(sq, 2, inc=1) == [PublisherRestarted(E, E + 1, 4, 2), SendReplay(0)]
+    assert replay(sq, [0, 1, 2, 3], inc=1) == [
+        D(0, True, E + 1, 1),
+        D(1, True, E + 1, 1),
+        D(2, False, E + 1, 1),
+        D(3, True, E + 1, 1),
+    ]
+
+
+@pytest.mark.parametrize("kw", [{"first_contact": "live"}, {"replay_enabled": False}])
+def test_restart_to_a_later_seq_without_replay(kw):
+    sq = running(0, 1, 2, 3, 4, **kw)
+    assert live(sq, 2, inc=1) == [
+        PublisherRestarted(E, E + 1, 4, 2),
+        EventsLost(E + 1, 0, 1, LOST_BEFORE_FIRST_CONTACT),
+        D(2, epoch=E + 1, inc=1),
+    ]
+
+
+def test_restart_with_replay_in_flight():
+    sq = running(0, 1, max_held=10)
+    live(sq, 5, 7)  # 2-4 and 6 missing
+    assert replay(sq, [2], end=False) == [D(2, True)]
+    assert live(sq, 0, inc=1) == [
+        ResetReplay(),
+        EventsLost(E, 3, 4, LOST_RESTARTED_DURING_REPLAY),
+        D(5),
+        EventsLost(E, 6, 6, LOST_RESTARTED_DURING_REPLAY),
+        D(7),
+        PublisherRestarted(E, E + 1, 7, 0),
+        D(0, epoch=E + 1, inc=1),
+    ]
+    assert not sq.recovering and sq.next_deadline() is None
+    assert sq.on_replay_batch(3, pl(3), 0.0) == [] and sq.stale_replies == 1
+
+
+def test_restart_revealed_by_seq_zero_after_replayed_history():
+    sq = make()
+    sq.on_connect(0.0)
+    replay(sq, [0, 1, 2])  # nothing seen live yet
+    assert live(sq, 0, inc=1) == [PublisherRestarted(E, E + 1, 2, 0), D(0, epoch=E + 1, inc=1)]
+
+
+def test_restart_during_first_contact_replay_opens_the_old_epoch_first():
+    sq = make()
+    sq.on_connect(0.0)
+    live(sq, 4, 5)
+    assert live(sq, 1, inc=1) == [
+        ResetReplay(),
+        StreamStarted(E, 0),
+        EventsLost(E, 0, 3, LOST_RESTARTED_DURING_REPLAY),
+        D(4),
+        D(5),
+        PublisherRestarted(E, E + 1, 5, 1),
+        SendReplay(0),
+    ]
+
+
+# ---------------------------------------------------------------------------- reconnect
+
+
+def test_reconnect_replays_from_next_with_unknown_end():
+    sq = running(0, 1, 2, 3)
+    assert sq.on_connect(5.0) == [SendReplay(4)]
+    assert replay(sq, [4, 5, 6], now=5.1) == Ds([4, 5, 6], replayed=True)
+    assert not sq.recovering
+    assert live(sq, 5, 6, 7) == [D(7)]
+    assert sq.on_connect(6.0) == [SendReplay(8)]
+    assert sq.on_replay_end(6.1) == []  # nothing was missed
+    assert not sq.recovering and sq.lost == 0
+
+
+def test_reconnect_with_live_arriving_during_the_replay():
+    sq = running(0)
+    sq.on_connect(1.0)
+    assert live(sq, 1, 3) == [D(1)]  # in order while the replay runs; 3 is held
+    assert replay(sq, [1, 2, 3, 4]) == [D(2, True), D(3), D(4, True)]
+
+
+def test_reconnect_restarts_an_attempt_in_flight():
+    sq = running(0)
+    live(sq, 3, now=0.0)
+    assert sq.on_connect(1.0) == [ResetReplay(), SendReplay(1)]
+    assert sq.next_deadline() == pytest.approx(3.0)
+    sq.on_tick(3.0)  # time out, now in backoff
+    assert sq.on_connect(3.1) == [SendReplay(1)]  # no need to wait for the backoff
+
+
+def test_reconnect_before_anything_in_live_mode_does_nothing():
+    sq = make(first_contact="live")
+    assert sq.on_connect(0.0) == [] and sq.on_connect(1.0) == []
+    sq = make()
+    assert sq.on_connect(0.0) == [SendReplay(0)]
+    assert sq.on_connect(1.0) == [ResetReplay(), SendReplay(0)]
+
+
+def test_stale_reply_with_nothing_in_flight():
+    sq = running(0, 1)
+    assert sq.on_replay_batch(1, pl(1), 0.0) == [] and sq.on_replay_end(0.0) == []
+    assert sq.stale_replies == 2 and sq.on_tick(100.0) == []
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="first_contact"):
+        SequencerConfig(first_contact="later")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="replay_max_attempts"):
+        SequencerConfig(replay_max_attempts=0)
+
+
+# ---------------------------------------------------------------------------- model test
+
+LIVE, DROPPED, LOST = "live", "dropped", "lost"
+
+
+@dataclass
+class Harness:
+    """A model vLLM publisher and transport around one sequencer.
+
+    Per incarnation, each seq is published LIVE (reaches the SUB), DROPPED (not sent to us but
+    buffered) or LOST (encode failure: neither). The replay ring keeps the last
+    ``buffer_size`` buffered seqs. Replies are generated when a request is served, from the
+    ring at that moment, and may be complete, truncated, holed or silent (no end marker).
+    Restarts are always detectable (the new incarnation's first live seq is at or below the
+    old one's highest live seq); a request reaching a publisher the sequencer does not know
+    restarted is never answered, as nothing on the wire could tell the incarnations apart.
+    ``inc_of`` maps each epoch to the incarnation whose live message opened it: the one
+    ambiguous case, a first live seq 0 arriving after a first-contact replay delivered higher
+    seqs, is taken for a restart (safe: the same data again, in a new epoch).
+    """
+
+    sq: StreamSequencer
+    buffer_size: int
+    now: float = 0.0
+    inc: int = 0
+    pub_next: int = 0
+    buffer: deque = field(default_factory=deque)
+    live_max: list = field(default_factory=lambda: [None])  # per incarnation
+    first_live_bound: int = 0
+    live_q: deque = field(default_factory=deque)  # (inc, seq)
+    pending: deque = field(default_factory=deque)  # (epoch, start)
+    reply_q: deque = field(default_factory=deque)  # (inc, seq, must_deliver) | None = end
+    actions: list = field(default_factory=list)
+    must_deliver: set = field(default_factory=set)  # (epoch, seq)
+    stale_injected: int = 0
+    inc_of: dict = field(default_factory=lambda: {E: 0})  # epoch -> incarnation
+    fed_live: set = field(default_factory=set)  # incarnations with a live message fed
+
+    def __post_init__(self) -> None:
+        self.buffer = deque(maxlen=self.buffer_size)
+
+    def apply(self, actions: list[Action]) -> None:
+        for a in actions:
+            self.actions.append(a)
+            if isinstance(a, ResetReplay):
+                self.pending.clear()
+                self.reply_q.clear()
+            elif isinstance(a, SendReplay):
+                assert not self.pending and not self.reply_q, "two requests on one DEALER"
+                self.pending.append((self.sq.epoch, a.start_seq))
+
+    def publish(self, fate: str) -> None:
+        seq = self.pub_next
+        self.pub_next += 1
+        if self.inc > 0 and self.live_max[self.inc] is None and seq >= self.first_live_bound:
+            fate = LIVE  # keep the restart detectable
+        if fate != LOST:
+            self.buffer.append(seq)
+        if fate == LIVE:
+            self.live_q.append((self.inc, seq))
+            self.live_max[self.inc] = seq
+
+    def feed_live(self) -> None:
+        inc, seq = self.live_q.popleft()
+        before = self.sq.epoch
+        out = self.sq.on_live(seq, pl(seq, inc), self.now)
+        if self.sq.epoch != before:
+            assert self.sq.epoch == before + 1
+            if self.inc_of[before] == inc:
+                assert (inc, seq) == (0, 0) and 0 not in self.fed_live, "spurious restart"
+            self.inc_of[self.sq.epoch] = inc
+        assert self.inc_of[self.sq.epoch] == inc, "restart not detected"
+        self.fed_live.add(inc)
+        self.apply(out)
+
+    def serve(self, mode: str, cut: int) -> None:
+        epoch, start = self.pending.popleft()
+        if self.inc_of[epoch] != self.inc:
+            return  # sent to a publisher that has since restarted: no answer
+        items = [s for s in self.buffer if s >= start]
+        end = True
+        if mode == "truncate":
+            items = items[: cut % (len(items) + 1)]
+        elif mode == "hole" and len(items) >= 3:
+            i = 1 + cut % (len(items) - 2)
+            items = items[:i] + items[i + 1 + cut % 2 :]
+        elif mode == "silent":
+            items = items[: cut % (len(items) + 1)]
+            end = False
+        run = 1
+        while run < len(items) and items[run] == items[run - 1] + 1:
+            run += 1
+        for i, s in enumerate(items):
+            self.reply_q.append((self.inc, s, i < run))
+        if end:
+            self.reply_q.append(None)
+
+    def feed_reply(self) -> None:
+        assert self.sq.replay_in_flight, "a reply is queued but no attempt is in flight"
+        item = self.reply_q.popleft()
+        if item is None:
+            self.apply(self.sq.on_replay_end(self.now))
+            return
+        inc, seq, must = item
+        epoch = self.sq.epoch
+        assert self.inc_of[epoch] == inc
+        if must:
+            self.must_deliver.add((epoch, seq))
+        self.apply(self.sq.on_replay_batch(seq, pl(seq, inc), self.now))
+
+    def tick(self, dt: float, at: float | None = None) -> None:
+        self.now = max(self.now + dt, at or 0.0)
+        due = self.sq.next_deadline()
+        out = self.sq.on_tick(self.now)
+        if due is None or self.now < due:
+            assert out == []
+        self.apply(out)
+
+    def reconnect(self) -> None:
+        self.pending.clear()  # whatever was on the wire is gone
+        self.reply_q.clear()
+        self.apply(self.sq.on_connect(self.now))
+
+    def restart(self) -> None:
+        assert self.live_max[self.inc] is not None
+        self.first_live_bound = self.live_max[self.inc]
+        self.inc += 1
+        self.pub_next = 0
+        self.buffer.clear()
+        self.live_max.append(None)
+        self.pending.clear()  # the old ROUTER is gone; replies already received stay queued
+
+    def inject_stale(self, batch: bool, seq: int) -> None:
+        if self.sq.replay_in_flight:
+            return
+        self.stale_injected += 1
+        out = self.sq.on_replay_batch(seq, b"stale", self.now) if batch else None
+        assert (out if batch else self.sq.on_replay_end(self.now)) == []
+
+    def settle(self) -> None:
+        """Deliver everything, answer every request completely, fire timers until idle."""
+        for _ in range(100_000):
+            if self.live_q:
+                self.feed_live()
+            elif self.reply_q:
+                self.feed_reply()
+            elif self.pending:
+                self.serve("complete", 0)
+            elif (due := self.sq.next_deadline()) is not None:
+                self.tick(max(0.0, due - self.now), at=due)
+            else:
+                return
+        raise AssertionError("did not settle")
+
+    def check(self, reliable: bool) -> None:
+        sq, cfg = self.sq, self.sq.config
+        epoch, started = E, False
+        expected = {E: 0}
+        last = {E: None}
+        delivered: set[tuple[int, int]] = set()
+        n_lost = 0
+        for a in self.actions:
+            if isinstance(a, StreamStarted):
+                assert a == StreamStarted(E, 0) and epoch == E and not started
+                started = True
+            elif isinstance(a, PublisherRestarted):
+                assert (a.old_epoch, a.epoch) == (epoch, epoch + 1)
+                assert a.last_seq == last[epoch] and (epoch != E or started)
+                epoch = a.epoch
+                expected[epoch], last[epoch] = 0, None
+            elif isinstance(a, Deliver):
+                assert a.epoch == epoch and (epoch != E or started)
+                assert a.seq == expected[epoch], "out of order, repeated or skipped"
+                assert a.payload == pl(a.seq, self.inc_of[epoch])
+                expected[epoch] = a.seq + 1
+                last[epoch] = a.seq
+                delivered.add((epoch, a.seq))
+            elif isinstance(a, EventsLost):
+                assert a.epoch == epoch and (epoch != E or started)
+                assert a.from_seq == expected[epoch] and a.to_seq >= a.from_seq
+                assert a.reason in LOST_REASONS
+                assert not reliable, f"lost with a reliable replay: {a}"
+                expected[epoch] = a.to_seq + 1
+                n_lost += a.to_seq - a.from_seq + 1
+            else:
+                assert cfg.replay_enabled
+        # Every incarnation that showed itself was detected, and its last epoch is accounted
+        # past its highest live seq; nothing is pending any more.
+        shown = self.inc if self.live_max[self.inc] is not None or self.inc == 0 else self.inc - 1
+        assert self.inc_of[sq.epoch] == shown
+        last_epoch = {inc: e for e, inc in sorted(self.inc_of.items())}
+        for inc, e in last_epoch.items():
+            if self.live_max[inc] is not None:
+                assert expected[e] > self.live_max[inc]
+        assert not sq.recovering and sq.held == 0 and sq.next_deadline() is None
+        assert sq.next_seq == expected[sq.epoch] and sq.last_seq == last[sq.epoch]
+        # A batch that a replay brought in order was delivered, never reported lost.
+        assert self.must_deliver <= delivered
+        assert sq.lost == n_lost and sq.stale_replies == self.stale_injected
+        assert sq.restarts == sq.epoch - E
+
+
+CHAOS_OPS = ["publish"] * 6 + ["live"] * 5 + ["reply"] * 5 + ["serve"] * 2 + ["tick"] * 2
+CHAOS_OPS += ["reconnect", "restart", "stale"]
+RELIABLE_OPS = ["publish"] * 6 + ["live"] * 5 + ["reply"] * 5 + ["serve"] * 2
+RELIABLE_OPS += ["reconnect", "restart"]
+
+
+def run_model(data: st.DataObject, reliable: bool) -> None:
+    draw = data.draw
+    if reliable:
+        cfg = SequencerConfig(
+            replay_max_attempts=draw(st.integers(2, 3)), max_held=draw(st.sampled_from([0, 2, 50]))
+        )
+        buffer_size = 10_000
+    else:
+        cfg = SequencerConfig(
+            replay_enabled=draw(st.booleans()),
+            first_contact=draw(st.sampled_from(["replay", "live"])),
+            replay_deadline=draw(st.sampled_from([5.0, 30.0])),
+            replay_max_attempts=draw(st.integers(1, 3)),
+            replay_cooldown=draw(st.sampled_from([0.0, 20.0])),
+            max_held=draw(st.sampled_from([0, 1, 3, 50])),
+        )
+        buffer_size = draw(st.sampled_from([2, 4, 8, 100]))
+    h = Harness(StreamSequencer(cfg, E), buffer_size)
+    if draw(st.booleans()):
+        h.reconnect()  # first contact by on_connect, else by the first live message
+    fates = st.sampled_from([LIVE] * 5 + [DROPPED] * 2 + ([] if reliable else [LOST]))
+    modes = st.sampled_from(["complete", "complete", "truncate", "hole", "silent"])
+    for _ in range(draw(st.integers(0, 70))):
+        op = draw(st.sampled_from(RELIABLE_OPS if reliable else CHAOS_OPS))
+        if op == "publish":
+            h.publish(draw(fates))
+        elif op == "live" and h.live_q:
+            h.feed_live()
+        elif op == "reply" and h.reply_q:
+            h.feed_reply()
+        elif op == "serve" and h.pending:
+            mode = "complete" if reliable else draw(modes)
+            h.serve(mode, draw(st.integers(0, 20)))
+        elif op == "tick":
+            h.tick(draw(st.sampled_from([0.1, 0.3, 1.0, 2.5, 8.0, 40.0])))
+        elif op == "reconnect":
+            h.reconnect()
+        elif op == "restart" and h.live_max[h.inc] is not None:
+            if reliable:
+                h.settle()  # a reliable run loses nothing: restart once all is accounted
+            h.restart()
+        elif op == "stale":
+            h.inject_stale(draw(st.booleans()), draw(st.integers(0, 30)))
+    h.settle()
+    h.check(reliable)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_model_invariants_under_chaos(data):
+    run_model(data, reliable=False)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_model_reliable_replay_loses_nothing(data):
+    run_model(data, reliable=True)
