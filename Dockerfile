@@ -14,9 +14,9 @@ COPY bridge/ bridge/
 COPY schemas/ schemas/
 # The Avro schemas go beside the installed package (bridge.records.schema_dir looks there).
 RUN pip install . \
-    && cp -r schemas "$(python -c 'import bridge, os; print(os.path.dirname(bridge.__file__))')/schemas" \
-    && python -c 'from bridge.records import schema_dir; print("schemas:", schema_dir())' \
+    && cp -r schemas "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/bridge/" \
     && cd / && rm -rf /src \
+    && python -c 'from bridge.records import schema_dir; print("schemas:", schema_dir())' \
     && useradd --system --uid 10001 --user-group --no-create-home --home-dir /nonexistent kvbridge
 
 USER kvbridge

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable
 
 import zmq
@@ -33,6 +34,12 @@ log = logging.getLogger(__name__)
 
 # Messages taken from one socket per loop turn, so one busy pod cannot starve the others.
 RECV_BUDGET = 512
+# After a disconnect, libzmq reconnects by itself, except after a protocol error (e.g. a
+# message over MAXMSGSIZE), when it gives the endpoint up. If no reconnect happened by then,
+# the bridge recreates the socket, with exponential backoff and jitter.
+RECONNECT_INITIAL = 1.0
+RECONNECT_MAX = 30.0
+RECONNECT_FACTOR = 2.0
 
 
 class SocketRegistry:
@@ -80,12 +87,18 @@ class StreamSubscriber:
         self.bad_input = bad_input
         self.metrics = pipeline.metrics
         self.connected = False
+        self.reconnect_at: float | None = None
+        self.reconnect_attempts = 0
         self.sub: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
 
     # -- sockets -------------------------------------------------------------------------------
     def open(self) -> None:
+        self._open_sub()
+        self._open_dealer()
+
+    def _open_sub(self) -> None:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
@@ -101,7 +114,17 @@ class StreamSubscriber:
         self.sub = sub
         self.registry.add(sub, self.on_sub_readable)
         self.registry.add(self.monitor, self.on_monitor)
-        self._open_dealer()
+
+    def _close_sub(self) -> None:
+        for sock in (self.sub, self.monitor):
+            if sock is not None:
+                self.registry.remove(sock)
+        if self.sub is not None:
+            self.sub.disable_monitor()
+            self.sub.close(linger=0)
+        if self.monitor is not None:
+            self.monitor.close(linger=0)
+        self.sub = self.monitor = None
 
     def _open_dealer(self) -> None:
         if self.replay_endpoint is None:
@@ -122,15 +145,11 @@ class StreamSubscriber:
 
     def close(self) -> None:
         self._close_dealer()
-        for sock in (self.sub, self.monitor):
-            if sock is not None:
-                self.registry.remove(sock)
-        if self.sub is not None:
-            self.sub.disable_monitor()
-            self.sub.close(linger=0)
-        if self.monitor is not None:
-            self.monitor.close(linger=0)
-        self.sub = self.monitor = None
+        self._close_sub()
+
+    def _backoff(self) -> float:
+        delay = min(RECONNECT_MAX, RECONNECT_INITIAL * RECONNECT_FACTOR**self.reconnect_attempts)
+        return delay * random.uniform(0.5, 1.0)
 
     # -- inputs --------------------------------------------------------------------------------
     def on_monitor(self, now: float) -> None:
@@ -139,6 +158,8 @@ class StreamSubscriber:
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_CONNECTED and not self.connected:
                 self.connected = True
+                self.reconnect_at = None
+                self.reconnect_attempts = 0
                 log.info(
                     "pod %s rank %d: connected to %s",
                     self.info.pod,
@@ -148,6 +169,7 @@ class StreamSubscriber:
                 self._apply(self.sequencer.on_connect(now))
             elif event == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
+                self.reconnect_at = now + self._backoff()
                 log.warning(
                     "pod %s rank %d: disconnected from %s; reconnecting",
                     self.info.pod,
@@ -192,10 +214,26 @@ class StreamSubscriber:
                 self._apply(self.sequencer.on_replay_end(now))
 
     def on_tick(self, now: float) -> None:
+        if self.reconnect_at is not None and now >= self.reconnect_at:
+            self.reconnect_attempts += 1
+            log.warning(
+                "pod %s rank %d: no reconnect to %s; recreating the socket (attempt %d)",
+                self.info.pod,
+                self.info.dp_rank,
+                self.pub_endpoint,
+                self.reconnect_attempts,
+            )
+            self._close_sub()
+            self._open_sub()
+            self.reconnect_at = now + self._backoff()
         self._apply(self.sequencer.on_tick(now))
 
     def next_deadline(self) -> float | None:
-        return self.sequencer.next_deadline()
+        d = self.sequencer.next_deadline()
+        r = self.reconnect_at
+        if r is None:
+            return d
+        return r if d is None else min(d, r)
 
     # -- actions -------------------------------------------------------------------------------
     def _apply(self, actions: list) -> None:

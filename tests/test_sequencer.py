@@ -529,6 +529,7 @@ class Harness:
     must_deliver: set = field(default_factory=set)  # (epoch, seq)
     stale_injected: int = 0
     inc_of: dict = field(default_factory=lambda: {E: 0})  # epoch -> incarnation
+    in_ring: set = field(default_factory=set)  # what the ring held for the reply being fed
     fed_live: set = field(default_factory=set)  # incarnations with a live message fed
 
     def __post_init__(self) -> None:
@@ -573,6 +574,7 @@ class Harness:
         if self.inc_of[epoch] != self.inc:
             return  # sent to a publisher that has since restarted: no answer
         items = [s for s in self.buffer if s >= start]
+        self.in_ring = set(items)
         end = True
         if mode == "truncate":
             items = items[: cut % (len(items) + 1)]
@@ -601,7 +603,11 @@ class Harness:
         assert self.inc_of[epoch] == inc
         if must:
             self.must_deliver.add((epoch, seq))
-        self.apply(self.sq.on_replay_batch(seq, pl(seq, inc), self.now))
+        out = self.sq.on_replay_batch(seq, pl(seq, inc), self.now)
+        for a in out:  # "not in replay buffer" must be true: a hole in a reply is retried
+            if isinstance(a, EventsLost) and a.reason == LOST_NOT_IN_REPLAY_BUFFER:
+                assert not self.in_ring.intersection(range(a.from_seq, a.to_seq + 1))
+        self.apply(out)
 
     def tick(self, dt: float, at: float | None = None) -> None:
         self.now = max(self.now + dt, at or 0.0)
@@ -695,17 +701,17 @@ class Harness:
         assert sq.restarts == sq.epoch - E
 
 
-CHAOS_OPS = ["publish"] * 6 + ["live"] * 5 + ["reply"] * 5 + ["serve"] * 2 + ["tick"] * 2
-CHAOS_OPS += ["reconnect", "restart", "stale"]
-RELIABLE_OPS = ["publish"] * 6 + ["live"] * 5 + ["reply"] * 5 + ["serve"] * 2
-RELIABLE_OPS += ["reconnect", "restart"]
+OPS = ["publish"] * 6 + ["live"] * 5 + ["reply"] * 5 + ["serve"] * 2 + ["tick"] * 2
+OPS += ["reconnect", "restart", "stale"]
 
 
 def run_model(data: st.DataObject, reliable: bool) -> None:
     draw = data.draw
-    if reliable:
+    if reliable:  # every seq is buffered for good, and replay eventually answers in full
         cfg = SequencerConfig(
-            replay_max_attempts=draw(st.integers(2, 3)), max_held=draw(st.sampled_from([0, 2, 50]))
+            replay_deadline=draw(st.sampled_from([5.0, 30.0])),
+            replay_max_attempts=1_000,
+            max_held=draw(st.sampled_from([0, 2, 50])),
         )
         buffer_size = 10_000
     else:
@@ -724,7 +730,7 @@ def run_model(data: st.DataObject, reliable: bool) -> None:
     fates = st.sampled_from([LIVE] * 5 + [DROPPED] * 2 + ([] if reliable else [LOST]))
     modes = st.sampled_from(["complete", "complete", "truncate", "hole", "silent"])
     for _ in range(draw(st.integers(0, 70))):
-        op = draw(st.sampled_from(RELIABLE_OPS if reliable else CHAOS_OPS))
+        op = draw(st.sampled_from(OPS))
         if op == "publish":
             h.publish(draw(fates))
         elif op == "live" and h.live_q:
@@ -732,8 +738,7 @@ def run_model(data: st.DataObject, reliable: bool) -> None:
         elif op == "reply" and h.reply_q:
             h.feed_reply()
         elif op == "serve" and h.pending:
-            mode = "complete" if reliable else draw(modes)
-            h.serve(mode, draw(st.integers(0, 20)))
+            h.serve(draw(modes), draw(st.integers(0, 20)))
         elif op == "tick":
             h.tick(draw(st.sampled_from([0.1, 0.3, 1.0, 2.5, 8.0, 40.0])))
         elif op == "reconnect":

@@ -1,0 +1,47 @@
+"""Running a real Bridge in-process (its own thread) against real sockets and a real broker."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from bridge.config import BridgeConfig, PodConfig
+from bridge.consumer import TopicReader
+from bridge.records import Record
+from bridge.runner import Bridge
+
+
+@contextmanager
+def running_bridge(bootstrap: str, topic: str, pods: list[PodConfig], **kw) -> Iterator[Bridge]:
+    cfg = BridgeConfig(bootstrap_servers=bootstrap, topic=topic, pods=pods, metrics_port=0, **kw)
+    bridge = Bridge(cfg)
+    bridge.open()
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            bridge.run()
+        except BaseException as exc:  # surfaced by the test below
+            errors.append(exc)
+
+    t = threading.Thread(target=loop, name="bridge", daemon=True)
+    t.start()
+    try:
+        yield bridge
+    finally:
+        bridge.stop.set()
+        t.join(60)
+        assert not t.is_alive(), "bridge did not stop"
+    if errors:
+        raise errors[0]
+
+
+def read_all(bootstrap: str, topic: str) -> list[Record]:
+    with TopicReader(bootstrap, topic) as r:
+        return [c.record for c in r.read()]
+
+
+def metric(bridge: Bridge, name: str, **labels: str) -> float:
+    value = bridge.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
