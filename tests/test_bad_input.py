@@ -7,6 +7,8 @@ import os
 import msgpack
 import pytest
 import zmq
+from bridge_util import metric, read_all, running_bridge
+from e2e_util import wait_for
 
 from bridge.config import PodConfig
 from bridge.events import BlockStored, EventBatch
@@ -14,8 +16,6 @@ from bridge.markers import EventsLost, StreamStarted
 from bridge.simulator.pod import PodSpec, SimulatedFleet
 from bridge.vllm.encoder import encode_batch
 from bridge.vllm.framing import live_frames
-from tests.bridge_util import metric, read_all, running_bridge
-from tests.e2e_util import wait_for
 
 
 def valid(seq: int) -> bytes:

@@ -6,10 +6,10 @@ import json
 from collections import defaultdict
 
 import pytest
+from e2e_util import Proc, free_port_block, read_json, read_jsonl, run_cli, wait_for
 
 from bridge.consumer import TopicReader
 from bridge.sink import ensure_topic
-from tests.e2e_util import Proc, free_port_block, read_json, read_jsonl, run_cli, wait_for
 
 RELEASES = ["0.9.0", "0.23.0", "0.33.0"]
 BATCHES = 120
