@@ -4,6 +4,7 @@ and CLI flags (flags win over env, env over the file)."""
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,9 +128,46 @@ class BridgeConfig:
     replay_timeout: float = 2.0
     replay_deadline: float = 30.0
     replay_attempts: int = 3
+    reconnect_initial: float = 1.0
+    reconnect_max: float = 30.0
+    reconnect_factor: float = 2.0
+    silence_timeout: float = 0.0  # reconnect after this long without a message; 0 = off
+    poll_timeout: float = 0.1  # longest the event loop sleeps
+    max_replays: int = 8  # replays in flight across all pods (vLLM serves them inline)
     rcvhwm: int = 100_000
     max_message_bytes: int = 64 * 1024 * 1024
     kafka: dict[str, str] = field(default_factory=dict)  # librdkafka properties passed through
+
+
+# AIBrix's documented (never implemented) variables, accepted as aliases; KVBRIDGE_* wins.
+AIBRIX_ALIASES = {
+    "AIBRIX_ZMQ_POLL_TIMEOUT": "poll_timeout",
+    "AIBRIX_ZMQ_REPLAY_TIMEOUT": "replay_timeout",
+    "AIBRIX_ZMQ_RECONNECT_INTERVAL": "reconnect_initial",
+}
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds from ``2.5`` (seconds) or a Go duration such as ``100ms``, ``5s``, ``1m30s``."""
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        t = text.strip()
+        try:
+            value = float(t)
+        except ValueError:
+            parts = _DURATION.findall(t)
+            if not parts or "".join(a + b for a, b in parts) != t:
+                raise ValueError(
+                    f"{text!r} is not a duration: use seconds (2.5) or units (100ms, 5s, 1m30s)"
+                ) from None
+            value = sum(float(n) * _UNITS[u] for n, u in parts)
+    if value < 0:
+        raise ValueError(f"{text!r}: a duration cannot be negative")
+    return value
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -146,4 +184,6 @@ def env_settings(environ: dict[str, str] | None = None) -> dict[str, str]:
     """``KVBRIDGE_BOOTSTRAP_SERVERS=x`` -> ``{"bootstrap_servers": "x"}``."""
     environ = os.environ if environ is None else environ
     prefix = "KVBRIDGE_"
-    return {k[len(prefix) :].lower(): v for k, v in environ.items() if k.startswith(prefix)}
+    out = {AIBRIX_ALIASES[k]: v for k, v in environ.items() if k in AIBRIX_ALIASES}
+    out.update({k[len(prefix) :].lower(): v for k, v in environ.items() if k.startswith(prefix)})
+    return out

@@ -105,6 +105,7 @@ class Bridge:
         """The event loop; returns after ``stop`` is set and the producer is flushed."""
         handlers = self.registry.handlers
         sink = self.sink
+        next_sync = 0.0
         try:
             while not self.stop.is_set():
                 now = time.monotonic()
@@ -126,12 +127,17 @@ class Bridge:
                     if d is not None and d <= now:
                         s.on_tick(now)
                 sink.poll(0)
-                self.metrics.producer_queue.set(sink.pending())
+                if now >= next_sync:
+                    next_sync = now + 1.0
+                    self.metrics.producer_queue.set(sink.pending())
+                    for s in self.streams:
+                        s.sync_metrics()
         finally:
             self.close()
 
     def close(self, flush_timeout: float = 30.0) -> None:
         for s in self.streams:
+            s.sync_metrics()
             s.close()
         self.streams.clear()
         left = self.sink.flush(flush_timeout)

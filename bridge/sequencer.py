@@ -197,6 +197,7 @@ class StreamSequencer:
         "_attempt_from",
         "_attempt_broken",
         "_failures",
+        "_backoff",
         "_idle_at",
         "_deadline_at",
         "_retry_at",
@@ -229,7 +230,8 @@ class StreamSequencer:
         self._attempt_first = False
         self._attempt_from = 0
         self._attempt_broken = False
-        self._failures = 0
+        self._failures = 0  # consecutive failed attempts (one that made progress counts 1)
+        self._backoff = 0.0
         self._idle_at = 0.0
         self._deadline_at = 0.0
         self._retry_at = 0.0
@@ -506,8 +508,11 @@ class StreamSequencer:
         if self._failures >= cfg.replay_max_attempts:
             self._give_up(out, now, reason)
             return
-        delay = cfg.backoff_initial * cfg.backoff_factor ** (self._failures - 1)
-        self._retry_at = now + min(cfg.backoff_max, delay)
+        if self._failures == 1:
+            self._backoff = cfg.backoff_initial
+        else:  # grown step by step: no float overflow however many attempts are allowed
+            self._backoff = min(cfg.backoff_max, self._backoff * cfg.backoff_factor)
+        self._retry_at = now + min(cfg.backoff_max, self._backoff)
 
     def _give_up(self, out: list[Action], now: float, reason: str) -> None:
         self._n_replays_given_up += 1

@@ -89,6 +89,7 @@ class StreamSubscriber:
         self.connected = False
         self.reconnect_at: float | None = None
         self.reconnect_attempts = 0
+        self._synced: tuple[int, ...] = (0,) * 6
         self.sub: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
@@ -260,8 +261,35 @@ class StreamSubscriber:
             else:
                 raise TypeError(f"unexpected sequencer action {action!r}")
 
+    def sync_metrics(self) -> None:
+        """Carry the sequencer's counters into Prometheus (called about once a second)."""
+        seq, pod = self.sequencer, self.info.pod
+        current = (
+            seq.gaps,
+            seq.replays_requested,
+            seq.replays_succeeded,
+            seq.replays_failed,
+            seq.replays_given_up,
+            seq.duplicates_dropped,
+        )
+        last = self._synced
+        if current == last:
+            return
+        m = self.metrics
+        counters = (
+            m.gaps.labels(pod),
+            m.replays.labels(pod, "requested"),
+            m.replays.labels(pod, "succeeded"),
+            m.replays.labels(pod, "failed"),
+            m.replays.labels(pod, "given_up"),
+            m.duplicates.labels(pod),
+        )
+        for counter, now_value, before in zip(counters, current, last, strict=True):
+            if now_value > before:
+                counter.inc(now_value - before)
+        self._synced = current
+
     def _send_replay(self, start_seq: int) -> None:
-        self.metrics.replays.labels(self.info.pod, "requested").inc()
         log.info("pod %s rank %d: replay from seq %d", self.info.pod, self.info.dp_rank, start_seq)
         if self.dealer is None:
             return  # no replay endpoint: the sequencer's timeout reports the loss

@@ -111,3 +111,23 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 break  # a line still being written
     return out
+
+
+def metric_totals(url: str) -> dict[str, float]:
+    """Prometheus samples summed over all labels, and also per ``outcome``/``kind``/``type``."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urlopen(url, timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+            for label in ("outcome", "kind", "type"):
+                if label in sample.labels:
+                    key = f'{sample.name}{{{label}="{sample.labels[label]}"}}'
+                    out[key] = out.get(key, 0.0) + sample.value
+    return out

@@ -6,7 +6,15 @@ import json
 from collections import defaultdict
 
 import pytest
-from e2e_util import Proc, free_port_block, read_json, read_jsonl, run_cli, wait_for
+from e2e_util import (
+    Proc,
+    free_port_block,
+    metric_totals,
+    read_json,
+    read_jsonl,
+    run_cli,
+    wait_for,
+)
 
 from bridge.consumer import TopicReader
 from bridge.sink import ensure_topic
@@ -48,49 +56,22 @@ def test_pods_to_kafka_and_back(kafka_bootstrap, tmp_path, drop_rate):
     ensure_topic(kafka_bootstrap, topic, partitions=3)
     base = free_port_block(6)
     sent_log, endpoints = tmp_path / "sent.jsonl", tmp_path / "endpoints.json"
-    sim = Proc(
-        [
-            "simulate",
-            "--pods",
-            "3",
-            "--name",
-            "pod",
-            "--release",
-            ",".join(RELEASES),
-            "--base-port",
-            str(base),
-            "--rate",
-            "100",
-            "--batches",
-            str(BATCHES),
-            "--drop-rate",
-            str(drop_rate),
-            "--clear-prob",
-            "0.01",
-            "--seed",
-            "7",
-            "--sent-log",
-            str(sent_log),
-            "--endpoints-file",
-            str(endpoints),
-        ],
-        tmp_path / "sim.log",
-    )
+    sim_state = tmp_path / "sim-state.json"
+    sim_state = tmp_path / "sim-state.json"
+    sim_args = f"simulate --pods 3 --name pod --release {','.join(RELEASES)} --base-port {base}"
+    sim_args += f" --rate 100 --batches {BATCHES} --drop-rate {drop_rate} --clear-prob 0.01"
+    sim_args += f" --seed 7 --sent-log {sent_log} --endpoints-file {endpoints}"
+    sim_args += f" --state-file {sim_state}"
+    sim = Proc(sim_args.split(), tmp_path / "sim.log")
     bridge = None
     try:
         pods = wait_for(lambda: read_json(endpoints), 30, "simulator endpoints")
         specs = [
             f"name={p['name']},model={p['model']},pub={p['pub']},replay={p['replay']}" for p in pods
         ]
-        args = [
-            "run",
-            "--bootstrap-servers",
-            kafka_bootstrap,
-            "--topic",
-            topic,
-            "--metrics-port",
-            "0",
-        ]
+        metrics_port = free_port_block(1)
+        args = f"run --bootstrap-servers {kafka_bootstrap} --topic {topic}".split()
+        args += ["--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"]
         for s in specs:
             args += ["--pod", s]
         bridge = Proc(args, tmp_path / "bridge.log")
@@ -108,6 +89,24 @@ def test_pods_to_kafka_and_back(kafka_bootstrap, tmp_path, drop_rate):
                 return sum(1 for c in r.read() if c.record.envelope.index >= 0)
 
         wait_for(lambda: count() >= n_events, 90, f"{n_events} events in Kafka", interval=1.0)
+
+        # The metrics tell the same story as the topic.
+        def scrape() -> dict[str, float]:
+            return metric_totals(f"http://127.0.0.1:{metrics_port}/metrics")
+
+        m = wait_for(
+            lambda: (m := scrape())["kvbridge_records_out_total"] >= n_events + 3 and m,
+            30,
+            "records_out to count every record",
+        )
+        assert m["kvbridge_events_in_total"] == n_events
+        assert m["kvbridge_records_out_total"] == n_events + 3  # + one StreamStarted per pod
+        assert m.get("kvbridge_decode_errors_total", 0) == 0
+        assert m.get("kvbridge_produce_errors_total", 0) == 0
+        assert m.get("kvbridge_batches_lost_total", 0) == 0
+        if drop_rate:
+            m = wait_for(lambda: (m := scrape()).get("kvbridge_gaps_total") and m, 10, "gaps")
+            assert m['kvbridge_replays_total{outcome="succeeded"}'] >= 1
         assert bridge.stop() == 0, bridge.output()
 
         got = run_cli(["consume", "--bootstrap-servers", kafka_bootstrap, "--topic", topic])
@@ -141,6 +140,15 @@ def test_pods_to_kafka_and_back(kafka_bootstrap, tmp_path, drop_rate):
             for s in state["streams"]
         }
         assert rebuilt == reference_state(sent)
+        # ... and equals the simulator's own cache model.
+        assert sim.stop() == 0, sim.output()
+        model = {
+            (s["pod"], s["dp_rank"]): {
+                (t["medium"], t["group_idx"]): set(t["blocks"]) for t in s["tiers"]
+            }
+            for s in json.loads(sim_state.read_text())
+        }
+        assert rebuilt == {k: v for k, v in model.items() if v}
         assert all(not s["uncertain"] for s in state["streams"])
     finally:
         if bridge is not None:

@@ -146,6 +146,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="write a JSON list of {name, model, release, dp_size, pub, replay, topic} per "
         "pod once every socket is bound (rank-0 endpoints; rank r is on port+r)",
     )
+    g.add_argument(
+        "--state-file",
+        metavar="FILE",
+        help="at exit, write each pod and rank's simulated cache as JSON: a list of {pod, "
+        "dp_rank, tiers: [{medium, group_idx, blocks: [hex hashes]}]} (hashes as a consumer "
+        "of the topic sees them), to compare with what `kvbridge replay --json` rebuilds",
+    )
     g = parser.add_argument_group("workload")
     g.add_argument(
         "--rate",
@@ -350,8 +357,25 @@ def run(args: argparse.Namespace) -> int:
                 break
         fleet.stop()
         elapsed = time.monotonic() - started
+        if args.state_file:
+            _write_state(fleet, args.state_file)
         print(_summary(fleet, elapsed), file=info, flush=True)
     return 0
+
+
+def _write_state(fleet: SimulatedFleet, path: str) -> None:
+    out = []
+    for pod in fleet.pods:
+        for rank in range(pod.dp_size):
+            tiers = [
+                {"medium": medium, "group_idx": group, "blocks": sorted(h.hex() for h in blocks)}
+                for (medium, group), blocks in sorted(
+                    fleet.resident(pod.name, rank).items(), key=lambda kv: str(kv[0])
+                )
+            ]
+            out.append({"pod": pod.name, "dp_rank": rank, "tiers": tiers})
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
 
 
 def _summary(fleet: SimulatedFleet, elapsed: float) -> str:
