@@ -951,7 +951,8 @@ def run(args: argparse.Namespace) -> int:
     if args.expect_sent:
         sent = load_sent_log(args.expect_sent)
         if args.pod:
-            sent = [s for s in sent if s.get("pod") in set(args.pod)]
+            wanted = set(args.pod)
+            sent = [s for s in sent if s.get("pod") in wanted]
     progress = _Progress(sys.stderr) if sys.stderr.isatty() else None
     try:
         report = check_topic(

@@ -11,7 +11,14 @@ from datetime import datetime
 from typing import Any
 
 from bridge import __version__
-from bridge.config import BridgeConfig, ConfigError, env_settings, load_toml, parse_pod
+from bridge.config import (
+    BridgeConfig,
+    ConfigError,
+    env_settings,
+    load_toml,
+    parse_duration,
+    parse_pod,
+)
 from bridge.logsetup import setup_logging
 
 log = logging.getLogger("kvbridge")
@@ -102,11 +109,56 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
         help="on first contact with a stream: replay from seq 0 (default) or start live",
     )
     run.add_argument(
-        "--replay-timeout", type=float, help="seconds of silence that fail a replay (2)"
+        "--replay-timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="silence that fails a replay attempt (2s; alias AIBRIX_ZMQ_REPLAY_TIMEOUT)",
     )
-    run.add_argument("--replay-deadline", type=float, help="seconds for one replay attempt (30)")
+    run.add_argument(
+        "--replay-deadline",
+        type=parse_duration,
+        metavar="DURATION",
+        help="longest one replay attempt may take (30s)",
+    )
     run.add_argument(
         "--replay-attempts", type=int, help="replay attempts before a range is lost (3)"
+    )
+    run.add_argument(
+        "--max-replays",
+        type=int,
+        metavar="K",
+        help="replays in flight across all pods; vLLM serves them on its publishing thread (8)",
+    )
+    run.add_argument(
+        "--reconnect-initial",
+        type=parse_duration,
+        metavar="DURATION",
+        help="first reconnect backoff (1s; alias AIBRIX_ZMQ_RECONNECT_INTERVAL)",
+    )
+    run.add_argument(
+        "--reconnect-max",
+        type=parse_duration,
+        metavar="DURATION",
+        help="largest reconnect backoff (30s)",
+    )
+    run.add_argument(
+        "--reconnect-factor",
+        type=float,
+        metavar="X",
+        help="backoff growth per failed reconnect (2.0); jitter takes 0-50%% off",
+    )
+    run.add_argument(
+        "--silence-timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="reconnect a stream after this long without a message (0 = never, the default: "
+        "idle engines are legitimately silent; heartbeats catch dead peers)",
+    )
+    run.add_argument(
+        "--poll-timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="longest the event loop waits between checks (100ms; alias AIBRIX_ZMQ_POLL_TIMEOUT)",
     )
     _log_args(run)
 
@@ -118,6 +170,12 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     configure_simulate(sim)
+
+    from bridge.checker import configure_parser as configure_check
+
+    configure_check(
+        sub.add_parser("check", help="verify the topic: contiguity, duplicates, markers")
+    )
 
     for name, helptext in (
         ("consume", "print the topic's records as JSON lines"),
@@ -183,9 +241,10 @@ def resolve_run_config(
                 try:
                     return conv(value)
                 except (TypeError, ValueError) as exc:
-                    raise ConfigError(
-                        f"{source} {name}={value!r}: expected {conv.__name__}"
-                    ) from exc
+                    what = (
+                        "a duration (2.5, 100ms, 5s)" if conv is parse_duration else conv.__name__
+                    )
+                    raise ConfigError(f"{source} {name}={value!r}: expected {what}") from exc
         return getattr(cfg, name)
 
     cfg.bootstrap_servers = pick("bootstrap_servers")
@@ -195,9 +254,24 @@ def resolve_run_config(
     cfg.first_contact = pick("first_contact")
     if cfg.first_contact not in ("replay", "live"):
         raise ConfigError(f"first_contact={cfg.first_contact!r}: accepted values are replay, live")
-    cfg.replay_timeout = pick("replay_timeout", float)
-    cfg.replay_deadline = pick("replay_deadline", float)
+    cfg.replay_timeout = pick("replay_timeout", parse_duration)
+    cfg.replay_deadline = pick("replay_deadline", parse_duration)
     cfg.replay_attempts = pick("replay_attempts", int)
+    cfg.max_replays = pick("max_replays", int)
+    cfg.reconnect_initial = pick("reconnect_initial", parse_duration)
+    cfg.reconnect_max = pick("reconnect_max", parse_duration)
+    cfg.reconnect_factor = pick("reconnect_factor", float)
+    cfg.silence_timeout = pick("silence_timeout", parse_duration)
+    cfg.poll_timeout = pick("poll_timeout", parse_duration)
+    for name in ("replay_attempts", "max_replays"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name}={getattr(cfg, name)}: must be >= 1")
+    if cfg.reconnect_factor < 1.0:
+        raise ConfigError(f"reconnect_factor={cfg.reconnect_factor}: must be >= 1.0")
+    if min(cfg.replay_timeout, cfg.replay_deadline, cfg.poll_timeout, cfg.reconnect_initial) <= 0:
+        raise ConfigError(
+            "replay_timeout, replay_deadline, poll_timeout and reconnect_initial must be > 0"
+        )
     if args.pod:
         specs: list[Any] = list(args.pod)
     elif env.get("pods"):
@@ -361,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_simulate(args)
         if args.command == "consume":
             return cmd_consume(args)
+        if args.command == "check":
+            from bridge.checker import run as run_check
+
+            return run_check(args)
         if args.command == "replay":
             return cmd_replay(args)
     except ConfigError as exc:

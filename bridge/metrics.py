@@ -56,6 +56,12 @@ class BridgeMetrics:
             ["pod"],
             registry=r,
         )
+        self.internal_errors = Counter(
+            p + "internal_errors",
+            "Unexpected errors while handling a pod (a bug: please report it)",
+            ["pod"],
+            registry=r,
+        )
         self.last_seq = Gauge(p + "last_seq", "Last delivered seq", ["pod", "dp_rank"], registry=r)
         self.producer_queue = Gauge(
             p + "producer_queue", "Records waiting in the Kafka producer", registry=r

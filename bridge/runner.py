@@ -5,20 +5,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
+from confluent_kafka import KafkaException
 
 from bridge.config import BridgeConfig
 from bridge.metrics import BridgeMetrics
 from bridge.pipeline import Pipeline, StreamInfo
 from bridge.records import RecordCodec
+from bridge.replaylimit import ReplayLimiter
 from bridge.sequencer import SequencerConfig
 from bridge.sink import KafkaSink, ensure_topic
-from bridge.subscriber import SocketRegistry, StreamSubscriber
+from bridge.subscriber import ReconnectPolicy, SocketRegistry, StreamSubscriber
 
 log = logging.getLogger(__name__)
-
-MAX_POLL_MS = 100
 
 
 class Bridge:
@@ -44,6 +45,14 @@ class Bridge:
         )
         self.pipeline = Pipeline(self.codec, self.sink, self.metrics)
         self.streams: list[StreamSubscriber] = []
+        self.limiter = ReplayLimiter(config.max_replays)
+        self.reconnect = ReconnectPolicy(
+            config.reconnect_initial,
+            config.reconnect_max,
+            config.reconnect_factor,
+            config.silence_timeout,
+        )
+        _raise_fd_limit(8 * self._stream_count() + 256)
 
     def _on_acked(self, key: bytes) -> None:
         c = self._acked.get(key)
@@ -90,6 +99,8 @@ class Bridge:
                     c.rcvhwm,
                     c.max_message_bytes,
                     self.pipeline.bad_input,
+                    self.limiter,
+                    self.reconnect,
                 )
                 sub.open()
                 self.streams.append(sub)
@@ -106,6 +117,7 @@ class Bridge:
         handlers = self.registry.handlers
         sink = self.sink
         next_sync = 0.0
+        max_poll_ms = max(1, int(self.config.poll_timeout * 1000))
         try:
             while not self.stop.is_set():
                 now = time.monotonic()
@@ -113,7 +125,7 @@ class Bridge:
                     (d for d in (s.next_deadline() for s in self.streams) if d is not None),
                     default=None,
                 )
-                timeout = MAX_POLL_MS
+                timeout = max_poll_ms
                 if deadline is not None:
                     timeout = max(0, min(timeout, int((deadline - now) * 1000) + 1))
                 ready = self.poller.poll(timeout)
@@ -121,11 +133,11 @@ class Bridge:
                 for sock, _ in ready:
                     handler = handlers.get(sock)
                     if handler is not None:
-                        handler(now)
+                        self._guarded(handler, now)
                 for s in self.streams:
                     d = s.next_deadline()
                     if d is not None and d <= now:
-                        s.on_tick(now)
+                        self._guarded(s.on_tick, now)
                 sink.poll(0)
                 if now >= next_sync:
                     next_sync = now + 1.0
@@ -134,6 +146,18 @@ class Bridge:
                         s.sync_metrics()
         finally:
             self.close()
+
+    def _guarded(self, handler: Callable[[float], None], now: float) -> None:
+        """A bug hit by one stream's input is logged and counted; the other streams go on."""
+        try:
+            handler(now)
+        except (KafkaException, MemoryError):
+            raise
+        except Exception:
+            owner = getattr(handler, "__self__", None)
+            pod = owner.info.pod if isinstance(owner, StreamSubscriber) else "?"
+            self.metrics.internal_errors.labels(pod).inc()
+            log.exception("internal error while handling pod %s; continuing", pod)
 
     def close(self, flush_timeout: float = 30.0) -> None:
         for s in self.streams:
@@ -148,6 +172,24 @@ class Bridge:
                 flush_timeout,
             )
         self.ctx.term()
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    """Each stream holds several file descriptors; lift the soft limit toward the hard one."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < wanted:
+            log.warning(
+                "open-file limit %d is below the %d this many streams want; raise it (ulimit -n)",
+                hard,
+                wanted,
+            )
 
 
 def _admin_props(kafka: dict[str, str]) -> dict[str, str]:

@@ -302,6 +302,13 @@ class StreamSequencer:
         self._sync()
         return out
 
+    def on_replay_sent(self, now: float) -> None:
+        """The I/O wrote the last SendReplay only now (it waited for a fleet-wide replay slot):
+        the attempt's idle timeout and deadline count from here."""
+        if self._in_flight:
+            self._idle_at = now + self._cfg.replay_idle_timeout
+            self._deadline_at = now + self._cfg.replay_deadline
+
     def on_replay_end(self, now: float) -> list[Action]:
         """The end marker (seq ``ff`` x 8) arrived on the DEALER."""
         if not self._in_flight:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -12,6 +13,7 @@ from zmq.utils.monitor import recv_monitor_message
 from bridge import markers
 from bridge.pipeline import Pipeline, StreamInfo
 from bridge.ratelimit import RateLimitedLog
+from bridge.replaylimit import ReplayLimiter
 from bridge.sequencer import (
     Deliver,
     EventsLost,
@@ -34,12 +36,23 @@ log = logging.getLogger(__name__)
 
 # Messages taken from one socket per loop turn, so one busy pod cannot starve the others.
 RECV_BUDGET = 512
-# After a disconnect, libzmq reconnects by itself, except after a protocol error (e.g. a
-# message over MAXMSGSIZE), when it gives the endpoint up. If no reconnect happened by then,
-# the bridge recreates the socket, with exponential backoff and jitter.
-RECONNECT_INITIAL = 1.0
-RECONNECT_MAX = 30.0
-RECONNECT_FACTOR = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReconnectPolicy:
+    """After a disconnect libzmq reconnects by itself, except after a protocol error (e.g. a
+    message over MAXMSGSIZE), when it gives the endpoint up. If no reconnect happened within
+    the backoff, the bridge recreates the socket: exponential backoff with jitter. A stream
+    silent for ``silence_timeout`` seconds (0 = never) is reconnected the same way."""
+
+    initial: float = 1.0
+    maximum: float = 30.0
+    factor: float = 2.0
+    silence_timeout: float = 0.0
+
+    def delay(self, attempts: int) -> float:
+        base = min(self.maximum, self.initial * self.factor ** min(attempts, 64))
+        return base * random.uniform(0.5, 1.0)
 
 
 class SocketRegistry:
@@ -73,6 +86,8 @@ class StreamSubscriber:
         rcvhwm: int,
         max_message_bytes: int,
         bad_input: RateLimitedLog,
+        limiter: ReplayLimiter,
+        reconnect: ReconnectPolicy,
     ) -> None:
         self.ctx = ctx
         self.info = info
@@ -85,6 +100,10 @@ class StreamSubscriber:
         self.rcvhwm = rcvhwm
         self.max_message_bytes = max_message_bytes
         self.bad_input = bad_input
+        self.limiter = limiter
+        self.reconnect = reconnect
+        self.replay_waiting: int | None = None  # start seq queued behind the fleet-wide limit
+        self.last_message = 0.0
         self.metrics = pipeline.metrics
         self.connected = False
         self.reconnect_at: float | None = None
@@ -145,12 +164,12 @@ class StreamSubscriber:
             self.dealer = None
 
     def close(self) -> None:
+        self.limiter.release(self, 0.0)
         self._close_dealer()
         self._close_sub()
 
     def _backoff(self) -> float:
-        delay = min(RECONNECT_MAX, RECONNECT_INITIAL * RECONNECT_FACTOR**self.reconnect_attempts)
-        return delay * random.uniform(0.5, 1.0)
+        return self.reconnect.delay(self.reconnect_attempts)
 
     # -- inputs --------------------------------------------------------------------------------
     def on_monitor(self, now: float) -> None:
@@ -161,13 +180,14 @@ class StreamSubscriber:
                 self.connected = True
                 self.reconnect_at = None
                 self.reconnect_attempts = 0
+                self.last_message = now
                 log.info(
                     "pod %s rank %d: connected to %s",
                     self.info.pod,
                     self.info.dp_rank,
                     self.pub_endpoint,
                 )
-                self._apply(self.sequencer.on_connect(now))
+                self._apply(self.sequencer.on_connect(now), now)
             elif event == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
                 self.reconnect_at = now + self._backoff()
@@ -192,7 +212,8 @@ class StreamSubscriber:
                 self.metrics.decode_errors.labels(self.info.pod, "frames").inc()
                 self.bad_input.warning(self.info.pod, "frames", "bad live message: %s", exc)
                 continue
-            self._apply(self.sequencer.on_live(msg.seq, msg.payload, now))
+            self.last_message = now
+            self._apply(self.sequencer.on_live(msg.seq, msg.payload, now), now)
 
     def on_dealer_readable(self, now: float) -> None:
         dealer = self.dealer
@@ -210,15 +231,32 @@ class StreamSubscriber:
                 self.bad_input.warning(self.info.pod, "replay_frames", "bad replay reply: %s", exc)
                 continue
             if isinstance(reply, ReplayBatch):
-                self._apply(self.sequencer.on_replay_batch(reply.seq, reply.payload, now))
+                self._apply(self.sequencer.on_replay_batch(reply.seq, reply.payload, now), now)
             else:
-                self._apply(self.sequencer.on_replay_end(now))
+                self._apply(self.sequencer.on_replay_end(now), now)
+
+    def _silence_deadline(self) -> float | None:
+        t = self.reconnect.silence_timeout
+        if t <= 0 or not self.connected:
+            return None
+        return self.last_message + t
 
     def on_tick(self, now: float) -> None:
+        silent_at = self._silence_deadline()
+        if silent_at is not None and now >= silent_at:
+            log.warning(
+                "pod %s rank %d: nothing from %s for %.0fs; reconnecting",
+                self.info.pod,
+                self.info.dp_rank,
+                self.pub_endpoint,
+                now - self.last_message,
+            )
+            self.connected = False
+            self.reconnect_at = now
         if self.reconnect_at is not None and now >= self.reconnect_at:
             self.reconnect_attempts += 1
             log.warning(
-                "pod %s rank %d: no reconnect to %s; recreating the socket (attempt %d)",
+                "pod %s rank %d: recreating the socket to %s (attempt %d)",
                 self.info.pod,
                 self.info.dp_rank,
                 self.pub_endpoint,
@@ -227,25 +265,39 @@ class StreamSubscriber:
             self._close_sub()
             self._open_sub()
             self.reconnect_at = now + self._backoff()
-        self._apply(self.sequencer.on_tick(now))
+        if self.replay_waiting is None:
+            self._apply(self.sequencer.on_tick(now), now)
 
     def next_deadline(self) -> float | None:
-        d = self.sequencer.next_deadline()
-        r = self.reconnect_at
-        if r is None:
-            return d
-        return r if d is None else min(d, r)
+        """The earliest timer: reconnect, silence, or the sequencer's (not while queued)."""
+        d = None if self.replay_waiting is not None else self.sequencer.next_deadline()
+        for t in (self.reconnect_at, self._silence_deadline()):
+            if t is not None and (d is None or t < d):
+                d = t
+        return d
 
     # -- actions -------------------------------------------------------------------------------
-    def _apply(self, actions: list) -> None:
+    def _apply(self, actions: list, now: float) -> None:
         for action in actions:
             if type(action) is Deliver:
                 self.pipeline.deliver(
                     self.info, action.epoch, action.seq, action.payload, action.replayed
                 )
             elif isinstance(action, SendReplay):
-                self._send_replay(action.start_seq)
+                if self.limiter.acquire(self):
+                    self._send_replay(action.start_seq)
+                else:
+                    self.replay_waiting = action.start_seq
+                    log.info(
+                        "pod %s rank %d: replay from %d waits for a free replay slot "
+                        "(max %d in flight)",
+                        self.info.pod,
+                        self.info.dp_rank,
+                        action.start_seq,
+                        self.limiter.limit,
+                    )
             elif isinstance(action, ResetReplay):
+                self.replay_waiting = None
                 self._close_dealer()
                 self._open_dealer()
             elif isinstance(action, StreamStarted):
@@ -260,6 +312,18 @@ class StreamSubscriber:
                 self.pipeline.marker(self.info, action.epoch, action.from_seq, m)
             else:
                 raise TypeError(f"unexpected sequencer action {action!r}")
+        seq = self.sequencer
+        if self.replay_waiting is None and not seq.replay_in_flight and self.limiter.holds(self):
+            self.limiter.release(self, now)
+
+    def grant_replay(self, now: float) -> None:
+        """The limiter gave this stream a replay slot: send what was queued."""
+        start, self.replay_waiting = self.replay_waiting, None
+        if start is None or not self.sequencer.replay_in_flight:
+            self.limiter.release(self, now)
+            return
+        self._send_replay(start)
+        self.sequencer.on_replay_sent(now)
 
     def sync_metrics(self) -> None:
         """Carry the sequencer's counters into Prometheus (called about once a second)."""

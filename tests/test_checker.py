@@ -116,7 +116,9 @@ def test_hole_is_reported_with_epoch_and_range():
     assert r.holes == [("a", 0, E1, 2, 3)]
     assert not r.ok
     assert r.verdict().startswith("FAIL: 1 hole (2 batches) (1 stream, 8 events in 4 batches")
-    assert r.details() == [f"a rank 0 epoch {E1}: hole: seqs 2..3 neither delivered nor reported lost"]
+    assert r.details() == [
+        f"a rank 0 epoch {E1}: hole: seqs 2..3 neither delivered nor reported lost"
+    ]
 
 
 def test_hole_at_the_start_of_an_epoch():
@@ -220,7 +222,7 @@ def test_events_lost_without_opening_marker():
 
 def test_new_epoch_without_publisher_restarted():
     recs = [started("a", 0, E1)] + batches("a", 0, E1, range(3)) + batches("a", 0, E2, range(2))
-    assert_violation(check(recs), f"epoch {E2} seq 0", "no opening" if False else "before any")
+    assert_violation(check(recs), f"epoch {E2} seq 0: event before any StreamStarted")
 
 
 def test_publisher_restart_opens_a_new_epoch():
@@ -326,7 +328,7 @@ def test_pod_removed_ends_every_rank_of_the_pod_only():
     recs += [removed("a", 0, E1)]
     recs += batches("a", 1, E1, [1]) + batches("b", 0, E1, [1])
     r = check(recs)
-    assert [v.split(":")[0] for v in r.violations] == ["a rank 1"]
+    assert {v.split(":")[0] for v in r.violations} == {"a rank 1"}
     assert_violation(r, f"epoch {E1} seq 1: event of epoch {E1}, but the pod was removed")
 
 
@@ -412,13 +414,11 @@ def test_undecodable_records_fail_the_check():
 def plans(draw: st.DrawFn) -> list[Record]:
     """A valid topic for one stream, as the bridge writes it: epochs, losses, restarts."""
     recs = [started("p", 0, E1)]
-    epoch = E1
+    epoch, last_delivered = E1, None
     for n_epoch in range(draw(st.integers(1, 3))):
         if n_epoch:
-            last = max((r.envelope.seq for r in recs if r.envelope.epoch == epoch), default=None)
             recs.append(restarted("p", 0, epoch + 1, epoch, last_delivered))
-            epoch += 1
-        last_delivered = None
+            epoch, last_delivered = epoch + 1, None
         seq = 0
         for _ in range(draw(st.integers(1, 8))):
             if draw(st.booleans()):
@@ -429,7 +429,6 @@ def plans(draw: st.DrawFn) -> list[Record]:
                 recs += batch("p", 0, epoch, seq, draw(st.integers(1, 3)))
                 last_delivered = seq
                 seq += 1
-        del last
     return recs
 
 
@@ -443,14 +442,17 @@ def test_valid_plans_pass_and_damage_is_caught(recs: list[Record], data: st.Data
     assert only(r).duplicates == 1 and r.violation_count == 0 and r.holes == []
     # A delivered batch removed, when a later record of the epoch follows it: detected.
     events = [r for r in recs if r.envelope.index == 0]
+    if not events:
+        return
     victim = data.draw(st.sampled_from(events)).envelope
     kept = [
-        r for r in recs if (r.envelope.epoch, r.envelope.seq) != (victim.epoch, victim.seq)
-        or r.envelope.index < 0
+        r
+        for r in recs
+        if (r.envelope.epoch, r.envelope.seq) != (victim.epoch, victim.seq) or r.envelope.index < 0
     ]
     later = any(
-        r.envelope.epoch == victim.epoch and r.envelope.seq > victim.seq
-        or isinstance(r.event, PublisherRestarted) and r.event.old_epoch == victim.epoch
+        (r.envelope.epoch == victim.epoch and r.envelope.seq > victim.seq)
+        or (isinstance(r.event, PublisherRestarted) and r.event.old_epoch == victim.epoch)
         for r in kept
     )
     if later:
@@ -498,12 +500,11 @@ def test_compare_with_sent_agrees():
 
 def test_compare_with_sent_ignores_duplicates_and_accepts_losses_of_published_batches():
     recs, sent = scenario()
-    recs = recs[:5] + recs[3:]  # a batch again
-    assert compare_with_sent(recs, sent) == []
-    # Batch 4 published, but the bridge reported it lost: allowed (the topic says so).
-    recs = [r for r in recs if (r.envelope.epoch, r.envelope.seq, r.envelope.index >= 0) != (
-        E1, 4, True)]
-    recs.insert(8, lost("a", 0, E1, 4, 4, "replay timed out"))
+    assert compare_with_sent(recs[:6] + recs[2:6] + recs[6:], sent) == []  # seqs 0, 1 again
+    # Batch 4 published, but the bridge reported it lost: fine (the topic says so).
+    e1s4 = (0, E1, 4)
+    recs = [r for r in recs if (r.envelope.dp_rank, r.envelope.epoch, r.envelope.seq) != e1s4]
+    recs.append(lost("a", 0, E1, 4, 4, "replay timed out"))
     assert compare_with_sent(recs, sent) == []
 
 
@@ -519,18 +520,14 @@ def test_compare_with_sent_event_differs():
 def test_compare_with_sent_missing_batches_and_events():
     recs, sent = scenario()
     recs = [r for r in recs if not (r.envelope.epoch == E2 and r.envelope.seq >= 1)]
-    recs = [r for r in recs if not (r.envelope.epoch == E1 and r.envelope.seq == 0 and
-                                    r.envelope.index == 1)]
-    diffs = compare_with_sent(recs, sent)
-    assert diffs == [
-        f"a rank 0 incarnation 1 (epoch {E2}): seqs 1..2 published but not in the topic "
-        "(no events, no EventsLost)",
-        f"a rank 0 incarnation 0 (epoch {E1}) seq 0: topic has 1 of the batch's 2 events",
-    ] or sorted(diffs) == sorted([
+    e = (0, E1, 0, 1)
+    recs = [r for r in recs if (r.envelope.dp_rank, r.envelope.epoch, r.envelope.seq,
+                                r.envelope.index) != e]  # fmt: skip
+    assert compare_with_sent(recs, sent) == [
         f"a rank 0 incarnation 0 (epoch {E1}) seq 0: topic has 1 of the batch's 2 events",
         f"a rank 0 incarnation 1 (epoch {E2}): seqs 1..2 published but not in the topic "
         "(no events, no EventsLost)",
-    ])
+    ]
 
 
 def test_compare_with_sent_lost_batch_needs_events_lost():
@@ -560,7 +557,7 @@ def test_compare_with_sent_topic_has_more_than_was_sent():
 
 def test_compare_with_sent_extra_event_in_a_batch():
     recs, sent = scenario()
-    recs.insert(5, Record(env("a", 0, E1, 0, 2), stored(0, 2)))  # after seq 0's two events
+    recs.insert(4, Record(env("a", 0, E1, 0, 2), stored(0, 2)))  # after seq 0's two events
     diffs = compare_with_sent(recs, sent)
     assert diffs == [
         f"a rank 0 incarnation 0 (epoch {E1}) seq 0: topic has index 2; the batch had 2 events"
@@ -675,7 +672,7 @@ def test_run_on_a_sound_topic(sound_topic, tmp_path, capsys, monkeypatch):
     assert run(parse(["--expect-sent", str(path), "-v"])) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == (
-        "OK: 2 streams, 15 events in 9 batches, 1 lost, 0 duplicates, markers EventsLost=1, "
+        "OK: 2 streams, 15 events in 8 batches, 1 lost, 0 duplicates, markers EventsLost=1, "
         "PublisherRestarted=1, StreamStarted=2"
     )
     assert out[1:] == [f"  a rank 0 epoch {E1}: lost seq 3: not in replay buffer"]

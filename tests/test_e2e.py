@@ -109,6 +109,21 @@ def test_pods_to_kafka_and_back(kafka_bootstrap, tmp_path, drop_rate):
             assert m['kvbridge_replays_total{outcome="succeeded"}'] >= 1
         assert bridge.stop() == 0, bridge.output()
 
+        check = run_cli(
+            [
+                "check",
+                "--bootstrap-servers",
+                kafka_bootstrap,
+                "--topic",
+                topic,
+                "--expect-sent",
+                str(sent_log),
+            ]
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert check.stdout.startswith("OK: 3 streams"), check.stdout
+        assert ", 0 lost, 0 duplicates" in check.stdout
+
         got = run_cli(["consume", "--bootstrap-servers", kafka_bootstrap, "--topic", topic])
         assert got.returncode == 0, got.stderr
         lines = [json.loads(x) for x in got.stdout.splitlines()]
