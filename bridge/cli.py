@@ -14,6 +14,7 @@ from bridge import __version__
 from bridge.config import (
     BridgeConfig,
     ConfigError,
+    check_endpoint,
     env_settings,
     load_toml,
     parse_duration,
@@ -100,6 +101,13 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     _kafka_args(run)
     run.add_argument("--pod", action="append", default=[], metavar="SPEC", help="a pod to follow")
     run.add_argument(
+        "--listen",
+        metavar="ENDPOINT",
+        help="bind one SUB socket (e.g. tcp://*:5557) that vLLM pods connect to (their endpoint "
+        "has no '*'); such pods are given by topic=, without pub=, and told apart by topic. "
+        "DP rank r connects to port + r, so the bridge binds port + r for every rank",
+    )
+    run.add_argument(
         "--metrics-port", type=int, help="Prometheus /metrics port (default 9400; 0 = off)"
     )
     run.add_argument("--metrics-host", help="address for /metrics (default 0.0.0.0)")
@@ -153,6 +161,13 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
         metavar="DURATION",
         help="reconnect a stream after this long without a message (0 = never, the default: "
         "idle engines are legitimately silent; heartbeats catch dead peers)",
+    )
+    run.add_argument(
+        "--idle-probe",
+        type=parse_duration,
+        metavar="DURATION",
+        help="after this long without a message, ask the pod's replay socket once for newer "
+        "batches, so a dropped last batch is not missed while the engine is idle (2s; 0 = off)",
     )
     run.add_argument(
         "--poll-timeout",
@@ -262,6 +277,7 @@ def resolve_run_config(
     cfg.reconnect_max = pick("reconnect_max", parse_duration)
     cfg.reconnect_factor = pick("reconnect_factor", float)
     cfg.silence_timeout = pick("silence_timeout", parse_duration)
+    cfg.idle_probe = pick("idle_probe", parse_duration)
     cfg.poll_timeout = pick("poll_timeout", parse_duration)
     for name in ("replay_attempts", "max_replays"):
         if getattr(cfg, name) < 1:
@@ -279,6 +295,21 @@ def resolve_run_config(
     else:
         specs = list(file.get("pods", []))
     cfg.pods = [parse_pod(s) for s in specs]
+    cfg.listen = pick("listen")
+    if cfg.listen is not None:
+        check_endpoint("listen", cfg.listen)
+    listeners = [p for p in cfg.pods if p.pub is None]
+    if listeners and cfg.listen is None:
+        raise ConfigError(
+            f"pod {listeners[0].name} has no pub= endpoint: give --listen tcp://*:PORT for pods "
+            "that connect to the bridge, or pub=tcp://HOST:PORT for pods the bridge connects to"
+        )
+    topics = [p.topic for p in listeners]
+    if len(set(topics)) != len(topics) or "" in topics:
+        raise ConfigError(
+            "pods on the --listen socket are told apart by topic: each needs its own non-empty "
+            "topic= (vLLM's kv-events-config topic, e.g. kv@pod-a@llama)"
+        )
     names = [p.name for p in cfg.pods]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:

@@ -21,17 +21,19 @@ class PodConfig:
     """One vLLM pod: its PUB endpoint and optional replay ROUTER, for DP rank 0.
 
     Rank r of a pod with dp_size N uses port + r on both endpoints (vLLM's own rule).
+    ``pub=None``: the pod connects to the bridge's ``listen`` socket and is told apart by its
+    ``topic`` (llm-d's layout).
     """
 
     name: str
     model: str
-    pub: str
+    pub: str | None
     replay: str | None = None
     dp_size: int = 1
     topic: str = ""
 
-    def pub_endpoint(self, rank: int) -> str:
-        return offset_port(self.pub, rank)
+    def pub_endpoint(self, rank: int) -> str | None:
+        return None if self.pub is None else offset_port(self.pub, rank)
 
     def replay_endpoint(self, rank: int) -> str | None:
         return None if self.replay is None else offset_port(self.replay, rank)
@@ -51,7 +53,7 @@ def offset_port(endpoint: str, rank: int) -> str:
     return f"tcp://{host}:{parts.port + rank}"
 
 
-def _check_endpoint(setting: str, endpoint: str) -> None:
+def check_endpoint(setting: str, endpoint: str) -> None:
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise ConfigError(
             f"{setting}={endpoint!r}: expected a ZeroMQ endpoint such as tcp://10.0.0.5:5557"
@@ -90,9 +92,13 @@ def parse_pod(spec: str | dict[str, Any]) -> PodConfig:
             f"pod {items.get('name', spec)!r}: unknown key(s) {sorted(unknown)}; "
             f"accepted: {sorted(_POD_KEYS)}"
         )
-    for required in ("name", "pub"):
-        if not items.get(required):
-            raise ConfigError(f"pod {spec!r}: {required}= is required")
+    if not items.get("name"):
+        raise ConfigError(f"pod {spec!r}: name= is required")
+    if not items.get("pub") and not items.get("topic"):
+        raise ConfigError(
+            f"pod {spec!r}: pub= is required (or topic= for a pod that connects to the bridge's "
+            "--listen socket)"
+        )
     dp = items.get("dp_size", items.get("dp", 1))
     try:
         dp_size = int(dp)
@@ -103,14 +109,15 @@ def parse_pod(spec: str | dict[str, Any]) -> PodConfig:
     pod = PodConfig(
         name=str(items["name"]),
         model=str(items.get("model") or "unknown"),
-        pub=str(items["pub"]),
+        pub=str(items["pub"]) if items.get("pub") else None,
         replay=str(items["replay"]) if items.get("replay") else None,
         dp_size=dp_size,
         topic=str(items.get("topic", "")),
     )
-    _check_endpoint(f"pod {pod.name} pub", pod.pub)
+    if pod.pub:
+        check_endpoint(f"pod {pod.name} pub", pod.pub)
     if pod.replay:
-        _check_endpoint(f"pod {pod.name} replay", pod.replay)
+        check_endpoint(f"pod {pod.name} replay", pod.replay)
     for rank in range(dp_size):
         pod.pub_endpoint(rank)
         pod.replay_endpoint(rank)
@@ -122,6 +129,7 @@ class BridgeConfig:
     bootstrap_servers: str = "localhost:9092"
     topic: str = "kv-events"
     pods: list[PodConfig] = field(default_factory=list)
+    listen: str | None = None  # one SUB the bridge binds; pods without pub= connect to it
     metrics_port: int = 9400  # 0 disables the HTTP endpoint
     metrics_host: str = "0.0.0.0"
     first_contact: str = "replay"
@@ -132,6 +140,7 @@ class BridgeConfig:
     reconnect_max: float = 30.0
     reconnect_factor: float = 2.0
     silence_timeout: float = 0.0  # reconnect after this long without a message; 0 = off
+    idle_probe: float = 2.0  # ask for newer batches after this long idle; 0 = off
     poll_timeout: float = 0.1  # longest the event loop sleeps
     max_replays: int = 8  # replays in flight across all pods (vLLM serves them inline)
     rcvhwm: int = 100_000

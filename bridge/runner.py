@@ -10,7 +10,8 @@ from collections.abc import Callable
 import zmq
 from confluent_kafka import KafkaException
 
-from bridge.config import BridgeConfig
+from bridge.config import BridgeConfig, offset_port
+from bridge.listener import SharedListener
 from bridge.metrics import BridgeMetrics
 from bridge.pipeline import Pipeline, StreamInfo
 from bridge.records import RecordCodec
@@ -21,6 +22,8 @@ from bridge.subscriber import ReconnectPolicy, SocketRegistry, StreamSubscriber
 
 log = logging.getLogger(__name__)
 
+TIMER_SCAN = 0.05  # seconds between scans of the streams' timers
+
 
 class Bridge:
     """Follows every configured pod and rank; stops when ``stop`` is set."""
@@ -30,8 +33,9 @@ class Bridge:
         self.metrics = metrics or BridgeMetrics()
         self.stop = threading.Event()
         self.ctx = zmq.Context()
-        # Two sockets and a monitor per stream: lift libzmq's default limit of 1023.
-        self.ctx.setsockopt(zmq.MAX_SOCKETS, max(1024, 4 * self._stream_count() + 64))
+        # SUB + DEALER + a monitor pair (two sockets) per stream, and headroom for sockets being
+        # recreated: lift libzmq's default limit of 1023.
+        self.ctx.set(zmq.MAX_SOCKETS, max(1024, 6 * self._stream_count() + 256))
         self.poller = zmq.Poller()
         self.registry = SocketRegistry(self.poller)
         self.codec = RecordCodec()
@@ -45,12 +49,14 @@ class Bridge:
         )
         self.pipeline = Pipeline(self.codec, self.sink, self.metrics)
         self.streams: list[StreamSubscriber] = []
+        self.listeners: list[SharedListener] = []
         self.limiter = ReplayLimiter(config.max_replays)
         self.reconnect = ReconnectPolicy(
             config.reconnect_initial,
             config.reconnect_max,
             config.reconnect_factor,
             config.silence_timeout,
+            config.idle_probe,
         )
         _raise_fd_limit(8 * self._stream_count() + 256)
 
@@ -81,11 +87,31 @@ class Bridge:
         c = self.config
         ensure_topic(c.bootstrap_servers, c.topic, overrides=_admin_props(c.kafka))
         epoch = int(time.time() * 1000)
+        if c.listen:
+            ranks = max((p.dp_size for p in c.pods if p.pub is None), default=1)
+            for rank in range(ranks):
+                self.listeners.append(
+                    SharedListener(
+                        self.ctx,
+                        offset_port(c.listen, rank),
+                        self.registry,
+                        c.rcvhwm,
+                        c.max_message_bytes,
+                        self.metrics,
+                        self.pipeline.bad_input,
+                    )
+                )
+                log.info(
+                    "listening on %s for pods that connect (rank %d)",
+                    self.listeners[-1].endpoint,
+                    rank,
+                )
         for pod in c.pods:
             for rank in range(pod.dp_size):
                 pub = pod.pub_endpoint(rank)
                 replay = pod.replay_endpoint(rank)
-                info = StreamInfo(pod.name, pod.model, rank, pub)
+                where = pub or f"{self.listeners[rank].endpoint} topic {pod.topic}"
+                info = StreamInfo(pod.name, pod.model, rank, where)
                 sub = StreamSubscriber(
                     self.ctx,
                     info,
@@ -103,6 +129,8 @@ class Bridge:
                     self.reconnect,
                 )
                 sub.open()
+                if pub is None:
+                    self.listeners[rank].route(pod.topic, sub)
                 self.streams.append(sub)
                 log.info(
                     "following pod %s rank %d: pub %s, replay %s",
@@ -117,27 +145,20 @@ class Bridge:
         handlers = self.registry.handlers
         sink = self.sink
         next_sync = 0.0
-        max_poll_ms = max(1, int(self.config.poll_timeout * 1000))
+        next_scan = 0.0
+        max_poll = self.config.poll_timeout
         try:
             while not self.stop.is_set():
                 now = time.monotonic()
-                deadline = min(
-                    (d for d in (s.next_deadline() for s in self.streams) if d is not None),
-                    default=None,
-                )
-                timeout = max_poll_ms
-                if deadline is not None:
-                    timeout = max(0, min(timeout, int((deadline - now) * 1000) + 1))
-                ready = self.poller.poll(timeout)
+                wait = min(max_poll, max(0.0, next_scan - now))
+                ready = self.poller.poll(int(wait * 1000))
                 now = time.monotonic()
                 for sock, _ in ready:
                     handler = handlers.get(sock)
                     if handler is not None:
                         self._guarded(handler, now)
-                for s in self.streams:
-                    d = s.next_deadline()
-                    if d is not None and d <= now:
-                        self._guarded(s.on_tick, now)
+                if now >= next_scan:
+                    next_scan = self._fire_timers(now)
                 sink.poll(0)
                 if now >= next_sync:
                     next_sync = now + 1.0
@@ -146,6 +167,26 @@ class Bridge:
                         s.sync_metrics()
         finally:
             self.close()
+
+    def _fire_timers(self, now: float) -> float:
+        """Run due stream timers; returns when to scan again (at most TIMER_SCAN from now).
+
+        Timers are scanned at most every TIMER_SCAN seconds rather than per loop turn, so the
+        loop stays cheap with thousands of streams; replay and reconnect timers are seconds long.
+        """
+        earliest = now + TIMER_SCAN
+        for s in self.streams:
+            d = s.next_deadline()
+            if d is None:
+                continue
+            if d <= now:
+                self._guarded(s.on_tick, now)
+                d = s.next_deadline()
+                if d is None:
+                    continue
+            if d < earliest:
+                earliest = d
+        return max(earliest, now + 0.001)
 
     def _guarded(self, handler: Callable[[float], None], now: float) -> None:
         """A bug hit by one stream's input is logged and counted; the other streams go on."""
@@ -164,6 +205,9 @@ class Bridge:
             s.sync_metrics()
             s.close()
         self.streams.clear()
+        for listener in self.listeners:
+            listener.close()
+        self.listeners.clear()
         left = self.sink.flush(flush_timeout)
         if left:
             log.error(

@@ -26,6 +26,7 @@ from bridge.sequencer import (
 )
 from bridge.vllm.framing import (
     FrameError,
+    LiveMessage,
     ReplayBatch,
     parse_live,
     parse_replay_reply,
@@ -49,6 +50,9 @@ class ReconnectPolicy:
     maximum: float = 30.0
     factor: float = 2.0
     silence_timeout: float = 0.0
+    # After this long without a live message, ask the replay socket once for anything newer:
+    # a dropped last batch is otherwise invisible until the engine publishes again.
+    idle_probe: float = 2.0
 
     def delay(self, attempts: int) -> float:
         base = min(self.maximum, self.initial * self.factor ** min(attempts, 64))
@@ -76,7 +80,7 @@ class StreamSubscriber:
         self,
         ctx: zmq.Context,
         info: StreamInfo,
-        pub_endpoint: str,
+        pub_endpoint: str | None,
         replay_endpoint: str | None,
         topic: bytes,
         seq_config: SequencerConfig,
@@ -104,6 +108,7 @@ class StreamSubscriber:
         self.reconnect = reconnect
         self.replay_waiting: int | None = None  # start seq queued behind the fleet-wide limit
         self.last_message = 0.0
+        self.probe_at: float | None = None
         self.metrics = pipeline.metrics
         self.connected = False
         self.reconnect_at: float | None = None
@@ -115,7 +120,9 @@ class StreamSubscriber:
 
     # -- sockets -------------------------------------------------------------------------------
     def open(self) -> None:
-        self._open_sub()
+        """Connect the sockets; a stream fed by a shared listener (no pub endpoint) has no SUB."""
+        if self.pub_endpoint is not None:
+            self._open_sub()
         self._open_dealer()
 
     def _open_sub(self) -> None:
@@ -212,8 +219,14 @@ class StreamSubscriber:
                 self.metrics.decode_errors.labels(self.info.pod, "frames").inc()
                 self.bad_input.warning(self.info.pod, "frames", "bad live message: %s", exc)
                 continue
-            self.last_message = now
-            self._apply(self.sequencer.on_live(msg.seq, msg.payload, now), now)
+            self.handle_live(msg, now)
+
+    def handle_live(self, msg: LiveMessage, now: float) -> None:
+        """One well-framed live message for this stream (from its SUB or a shared listener)."""
+        self.last_message = now
+        if self.dealer is not None and self.reconnect.idle_probe > 0:
+            self.probe_at = now + self.reconnect.idle_probe
+        self._apply(self.sequencer.on_live(msg.seq, msg.payload, now), now)
 
     def on_dealer_readable(self, now: float) -> None:
         dealer = self.dealer
@@ -265,13 +278,18 @@ class StreamSubscriber:
             self._close_sub()
             self._open_sub()
             self.reconnect_at = now + self._backoff()
+        if self.probe_at is not None and now >= self.probe_at:
+            self.probe_at = None
+            if self.replay_waiting is None and not self.sequencer.replay_in_flight:
+                # Same as after a reconnect: replay whatever may have been missed.
+                self._apply(self.sequencer.on_connect(now), now)
         if self.replay_waiting is None:
             self._apply(self.sequencer.on_tick(now), now)
 
     def next_deadline(self) -> float | None:
         """The earliest timer: reconnect, silence, or the sequencer's (not while queued)."""
         d = None if self.replay_waiting is not None else self.sequencer.next_deadline()
-        for t in (self.reconnect_at, self._silence_deadline()):
+        for t in (self.reconnect_at, self._silence_deadline(), self.probe_at):
             if t is not None and (d is None or t < d):
                 d = t
         return d
@@ -301,7 +319,7 @@ class StreamSubscriber:
                 self._close_dealer()
                 self._open_dealer()
             elif isinstance(action, StreamStarted):
-                m = markers.StreamStarted(action.next_seq, self.pub_endpoint)
+                m = markers.StreamStarted(action.next_seq, self.info.endpoint)
                 self.pipeline.marker(self.info, action.epoch, action.next_seq, m)
             elif isinstance(action, PublisherRestarted):
                 self.metrics.restarts.labels(self.info.pod).inc()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from bridge_util import metric, read_all, running_bridge
-from e2e_util import wait_for
+from e2e_util import free_port_block, wait_for
 
 from bridge.checker import check_topic, compare_with_sent
 from bridge.config import PodConfig
@@ -201,3 +201,38 @@ def test_pod_killed_and_restarted_on_the_same_ports(kafka_bootstrap, make_topic)
             bridge_cm.__exit__(None, None, None)
     report = check_topic(kafka_bootstrap, topic)
     assert report.ok and report.lost_batches == 0, report.details()
+
+
+def test_pods_connecting_to_a_bound_bridge_socket(kafka_bootstrap, make_topic):
+    """llm-d's layout: vLLM connects its PUB to one SUB the bridge binds; topics tell pods apart."""
+    topic = make_topic(partitions=2)
+    base = free_port_block(2)
+    listen = f"tcp://127.0.0.1:{base}"
+    specs = [
+        PodSpec(
+            name=f"llmd-{i}",
+            release="0.33.0",
+            rate=100,
+            batches=80,
+            drop_rate=0.05,
+            topic=f"kv@llmd-{i}@m",
+            connect_pub=listen,
+            dp_size=2,
+            seed=i,
+        )
+        for i in range(3)
+    ]
+    with SimulatedFleet(*specs, start=False) as fleet:
+        pods = [
+            PodConfig(p.name, p.model, None, p.replay, p.dp_size, topic=p.topic) for p in fleet.pods
+        ]
+        with running_bridge(kafka_bootstrap, topic, pods, listen=listen) as bridge:
+            fleet.start()
+            fleet.wait_done(timeout=30)
+            wait_topic_matches(kafka_bootstrap, topic, fleet)
+            assert (
+                metric(bridge, "kvbridge_decode_errors_total", pod="listener", kind="unknown_topic")
+                == 0
+            )
+    report = check_topic(kafka_bootstrap, topic, sent=fleet.sent())
+    assert report.ok and len(report.streams) == 6, report.details()

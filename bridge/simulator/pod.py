@@ -33,6 +33,7 @@ from typing import Any, TextIO
 
 import zmq
 
+from bridge.config import offset_port
 from bridge.events import BlockRemoved, BlockStored, EventBatch, VllmEvent
 from bridge.jsonview import event_to_json
 from bridge.simulator.model import ModelConfig, PrefixCacheModel, TierKey, shared_templates
@@ -115,6 +116,9 @@ class PodSpec:
     cache: ModelConfig = field(default_factory=ModelConfig)
     start_delay: float = 0.0  # seconds before the first batch (after wait_for_subscriber)
     wait_for_subscriber: bool = False  # first batch only once a subscriber connected
+    # vLLM connects its PUB instead of binding when the endpoint has no '*' (llm-d's layout:
+    # one bridge SUB bound for the fleet). Rank r connects to this endpoint's port + r.
+    connect_pub: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("drop_seqs", "lose_seqs", "restart_at_batches"):
@@ -537,7 +541,11 @@ class SimulatedPod:
                 pub = self._socket(zmq.PUB)
                 pub.sndhwm = spec.hwm
                 pub.rcvhwm = spec.hwm
-                pub_ep = self._bind_one(pub, pub_port + rank)
+                if spec.connect_pub:
+                    pub_ep = offset_port(spec.connect_pub, rank)
+                    pub.connect(pub_ep)
+                else:
+                    pub_ep = self._bind_one(pub, pub_port + rank)
                 router = None
                 replay_ep = None
                 if spec.replay:
