@@ -56,6 +56,12 @@ class BridgeMetrics:
             ["pod"],
             registry=r,
         )
+        self.unverified_reconnects = Counter(
+            p + "unverified_reconnects",
+            "Reconnects after which the publisher's incarnation could not be verified",
+            ["pod"],
+            registry=r,
+        )
         self.internal_errors = Counter(
             p + "internal_errors",
             "Unexpected errors while handling a pod (a bug: please report it)",

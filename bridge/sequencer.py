@@ -11,11 +11,39 @@ Guarantees, for every input sequence:
 * per epoch, :class:`Deliver` and :class:`EventsLost` actions account for the seqs
   ``0, 1, 2, ...`` contiguously and in order: each seq is either delivered once or reported
   lost once, never both, and the seqs accounted always reach the highest seq seen so far
-  whenever no replay is under way;
+  whenever no replay is under way (not counting live messages discarded by a reconnect's
+  check, below);
 * :class:`StreamStarted` opens the first epoch, :class:`PublisherRestarted` each later one,
   before any other action of that epoch, and no action of an epoch follows its successor's
   opening;
-* a payload is delivered exactly as it was received for that seq.
+* a payload is delivered exactly as it was received for that seq;
+* an epoch never mixes incarnations of the publisher, except after a reconnect whose
+  incarnation could not be checked (counted in ``unverified_reconnects``, see below).
+
+Restarts show themselves on the live socket when the seq goes back. A restart while the bridge
+is disconnected does not when the new incarnation is already past our last delivered seq, so a
+reconnect of an epoch that delivered something checks the incarnation first: its replay asks
+from ``last_seq`` (not ``last_seq + 1``) and compares that batch's payload with the one we
+delivered (vLLM replays the bytes it sent, spec §3.3). Until the first reply decides, live
+messages are held. The first reply:
+
+* ``last_seq`` with the same payload: same incarnation, the reply goes on as usual;
+* ``last_seq`` with another payload, or the end marker with no batch ``>= last_seq`` (the same
+  incarnation still buffers ``last_seq`` or, if it evicted it, newer batches): restarted. The
+  old epoch is accounted up to what was known of it at the reconnect, the live messages held
+  since the reconnect are discarded (their incarnation is unknown; the replay fetches them
+  again), :class:`PublisherRestarted` opens the new epoch and, as on first contact, a new
+  replay asks from 0 (the rest of the deciding reply is abandoned with :class:`ResetReplay`:
+  it started at ``last_seq`` and could not be trusted apart from that replay anyway);
+* a later seq: undecidable (``last_seq`` evicted, or a new incarnation far ahead), taken as
+  the same incarnation; so is a reconnect whose check cannot run (replay disabled, cooling
+  down) or whose recovery gives up before any reply.
+
+A checking attempt that times out is retried like any other, and each retry checks again.
+Only reconnects check: a gap's replay asks from ``next_seq``. The first reply of an attempt
+cannot be lost to the ROUTER's send high-water mark (the DEALER's queue was drained or
+the DEALER recreated), so an empty reply is a real answer. A reconnect before anything of the
+epoch was accounted (first contact) forgets what it heard and replays from 0 afresh.
 
 The I/O layer executes :class:`SendReplay` and :class:`ResetReplay`, calls :meth:`on_tick`
 whenever ``now >= next_deadline()``, maps a replay reply whose seq frame is ``ff`` x 8 to
@@ -131,7 +159,9 @@ class PublisherRestarted:
     """The publisher restarted (its seq went back): epoch ``epoch`` begins, reset state.
 
     ``last_seq`` is the last seq delivered in ``old_epoch`` (None if none); ``seq`` is the
-    live seq that revealed the restart. The new epoch is accounted from seq 0.
+    first seq known of the new incarnation: the live seq that revealed the restart, or, when a
+    reconnect's check revealed it, the replayed ``last_seq`` (0 if the reply was empty). The
+    new epoch is accounted from seq 0.
     """
 
     old_epoch: int
@@ -178,7 +208,10 @@ class StreamSequencer:
     (highest seq known to exist, live or replayed; may lag ``_next - 1`` on the hot path),
     ``_held`` (live messages above ``_next``, increasing). A *recovery* runs while held or
     known seqs are unaccounted: attempts (one SendReplay each, then replies) separated by
-    backoff waits; it ends in success (everything known accounted) or gives up.
+    backoff waits; it ends in success (everything known accounted) or gives up. ``_verify``:
+    a reconnect's incarnation check awaits its first reply (attempts ask from ``_last``);
+    ``_verify_boundary`` / ``_verify_seen`` are ``_live_max`` / the highest known seq at that
+    reconnect (held messages above the boundary arrived after it).
     """
 
     __slots__ = (
@@ -187,6 +220,7 @@ class StreamSequencer:
         "_expect",
         "_next",
         "_last",
+        "_last_payload",
         "_live_max",
         "_seen_max",
         "_held",
@@ -202,6 +236,9 @@ class StreamSequencer:
         "_deadline_at",
         "_retry_at",
         "_cooldown_until",
+        "_verify",
+        "_verify_boundary",
+        "_verify_seen",
         "_n_gaps",
         "_n_replays_requested",
         "_n_replays_succeeded",
@@ -213,6 +250,10 @@ class StreamSequencer:
         "_n_held_dropped",
         "_n_restarts",
         "_n_lost",
+        "_n_reconnects_verified",
+        "_n_restarts_on_reconnect",
+        "_n_unverified_reconnects",
+        "_n_unverified_discarded",
     )
 
     def __init__(self, config: SequencerConfig, epoch: int) -> None:
@@ -221,6 +262,7 @@ class StreamSequencer:
         self._expect = -1  # == _next when the hot path applies, else -1
         self._next = 0
         self._last: int | None = None
+        self._last_payload: bytes | None = None  # a reference, for the reconnect check
         self._live_max: int | None = None
         self._seen_max: int | None = None
         self._held: deque[tuple[int, bytes]] = deque()
@@ -236,6 +278,9 @@ class StreamSequencer:
         self._deadline_at = 0.0
         self._retry_at = 0.0
         self._cooldown_until = float("-inf")
+        self._verify = False
+        self._verify_boundary = -1
+        self._verify_seen = -1
         self._n_gaps = 0
         self._n_replays_requested = 0
         self._n_replays_succeeded = 0
@@ -247,6 +292,10 @@ class StreamSequencer:
         self._n_held_dropped = 0
         self._n_restarts = 0
         self._n_lost = 0
+        self._n_reconnects_verified = 0
+        self._n_restarts_on_reconnect = 0
+        self._n_unverified_reconnects = 0
+        self._n_unverified_discarded = 0
 
     # ------------------------------------------------------------------ inputs
 
@@ -255,17 +304,32 @@ class StreamSequencer:
         if seq == self._expect:  # in order, nothing pending: the 99.9% case
             self._expect = self._next = seq + 1
             self._live_max = self._last = seq
+            self._last_payload = payload
             return [Deliver(self._epoch, seq, payload, False)]
         return self._on_live_slow(seq, payload, now)
 
     def on_connect(self, now: float) -> list[Action]:
-        """The transport (re)connected: replay whatever may have been missed meanwhile."""
+        """The transport (re)connected: check the incarnation and replay what was missed."""
         out: list[Action] = []
-        fresh = self._next == 0 and self._seen_max is None  # nothing known of this incarnation
-        if self._cfg.replay_enabled and now >= self._cooldown_until:
+        cfg = self._cfg
+        if self._next == 0 and (self._held or self._seen_max is not None):
+            # Nothing of this epoch accounted yet: what we heard may come from a publisher that
+            # is gone, and nothing is owed to it. Start the first contact afresh.
+            self._n_unverified_discarded += len(self._held)
+            self._held.clear()
+            self._live_max = self._seen_max = None
+        can_replay = cfg.replay_enabled and now >= self._cooldown_until
+        if self._last is not None and not self._verify:
+            if can_replay:
+                self._verify = True
+                self._verify_boundary = -1 if self._live_max is None else self._live_max
+                self._verify_seen = self._highest()
+            else:
+                self._n_unverified_reconnects += 1
+        if can_replay:
             if self._recovering:
                 self._restart_attempt(out, now)
-            elif not fresh or self._cfg.first_contact == "replay":
+            elif self._next > 0 or cfg.first_contact == "replay":
                 self._begin_recovery(out, now)
         self._sync()
         return out
@@ -276,18 +340,35 @@ class StreamSequencer:
             self._n_stale_replies += 1
             return []
         self._idle_at = now + self._cfg.replay_idle_timeout
+        out: list[Action] = []
+        if self._verify:  # the first reply of a reconnect's check decides
+            last = self._last
+            assert last is not None
+            if seq < last:  # not an answer to our request (the ROUTER sends seq >= start)
+                self._n_duplicates_dropped += 1
+                return out
+            if seq == last and payload != self._last_payload:
+                self._restarted_on_reconnect(out, seq, now)
+                return out
+            self._verify = False
+            if seq == last:
+                self._n_reconnects_verified += 1
+                self._attempt_first = False  # a gap after the probe is a hole: retried
+                self._release(out)  # live messages held while checking
+                return out
+            self._n_unverified_reconnects += 1
+            self._release(out)
         first = self._attempt_first
         self._attempt_first = False
         if self._seen_max is None or seq > self._seen_max:
             self._seen_max = seq
         if self._attempt_broken:
             self._n_replay_discarded += 1
-            return []
+            return out
         nxt = self._next
         if seq < nxt:
             self._n_duplicates_dropped += 1
-            return []
-        out: list[Action] = []
+            return out
         if seq > nxt:
             if not first:
                 # A hole inside the reply (a slow reader's batches dropped by the ROUTER before
@@ -316,6 +397,9 @@ class StreamSequencer:
             return []
         out: list[Action] = []
         self._in_flight = False
+        if self._verify:  # nothing >= last_seq buffered: not the incarnation we followed
+            self._restarted_on_reconnect(out, 0, now)
+            return out
         self._attempt_over(out, now, timed_out=False)
         self._sync()
         return out
@@ -377,6 +461,11 @@ class StreamSequencer:
         """Live messages held until a replay fills the range below them."""
         return len(self._held)
 
+    @property
+    def verifying(self) -> bool:
+        """A reconnect's incarnation check awaits its first reply (live messages are held)."""
+        return self._verify
+
     def in_cooldown(self, now: float) -> bool:
         """True while gaps are reported lost without replay after a recovery gave up."""
         return now < self._cooldown_until
@@ -392,11 +481,27 @@ class StreamSequencer:
     held_dropped = _counter("held_dropped", "Live messages dropped because max_held were held.")
     restarts = _counter("restarts", "Publisher restarts detected.")
     lost = _counter("lost", "Seqs reported lost (sum of EventsLost range sizes).")
+    reconnects_verified = _counter(
+        "reconnects_verified", "Reconnect checks that found the same incarnation."
+    )
+    restarts_detected_on_reconnect = _counter(
+        "restarts_on_reconnect", "Restarts revealed by a reconnect's check (also in restarts)."
+    )
+    unverified_reconnects = _counter(
+        "unverified_reconnects",
+        "Reconnects taken for the same incarnation unchecked: first reply above last_seq, "
+        "no replay possible, or gave up before any reply.",
+    )
+    unverified_discarded = _counter(
+        "unverified_discarded",
+        "Live messages dropped because their incarnation was unknown (replayed again instead).",
+    )
 
     def __repr__(self) -> str:
         return (
             f"<StreamSequencer epoch={self._epoch} next={self._next} live_max={self._live_max}"
-            f" held={len(self._held)} recovering={self._recovering} in_flight={self._in_flight}>"
+            f" held={len(self._held)} recovering={self._recovering} in_flight={self._in_flight}"
+            f" verifying={self._verify}>"
         )
 
     # ------------------------------------------------------------------ internals
@@ -419,7 +524,7 @@ class StreamSequencer:
         if seq < nxt:  # already delivered from a replay
             self._n_duplicates_dropped += 1
         elif self._recovering:
-            if seq == nxt and not self._held:
+            if seq == nxt and not self._held and not self._verify:
                 self._deliver(out, seq, payload, False)
             else:
                 self._hold(seq, payload)
@@ -450,6 +555,15 @@ class StreamSequencer:
         self._n_restarts += 1
         if self._in_flight:
             out.append(ResetReplay())
+        if self._verify:
+            # Whatever arrived since the reconnect may be of any incarnation: drop it, and close
+            # the old epoch with what was known of it at the reconnect.
+            held = self._held
+            while held and held[-1][0] > self._verify_boundary:
+                held.pop()
+                self._n_unverified_discarded += 1
+            self._seen_max = self._verify_seen
+            self._verify = False
         reason = LOST_RESTARTED_DURING_REPLAY if self._recovering else LOST_RESTARTED
         if self._seen_max is not None:
             self._account_to(out, self._seen_max + 1, reason)
@@ -458,10 +572,19 @@ class StreamSequencer:
         self._epoch = old + 1
         self._next = 0
         self._last = self._live_max = self._seen_max = None
+        self._last_payload = None
         self._held.clear()
         self._started = True  # PublisherRestarted opens the new epoch
         self._recovering = self._in_flight = False
         self._failures = 0
+
+    def _restarted_on_reconnect(self, out: list[Action], seq: int, now: float) -> None:
+        """A reconnect's check revealed a restart: new epoch, then a first contact."""
+        self._n_restarts_on_reconnect += 1
+        self._restart(out, seq)
+        if self._cfg.first_contact == "replay":
+            self._begin_recovery(out, now)
+        self._sync()
 
     def _hold(self, seq: int, payload: bytes) -> None:
         if len(self._held) < self._cfg.max_held:
@@ -480,7 +603,8 @@ class StreamSequencer:
         self._send(out, now)
 
     def _send(self, out: list[Action], now: float) -> None:
-        out.append(SendReplay(self._next))
+        # A reconnect's check asks from the last delivered seq, to compare its payload.
+        out.append(SendReplay(self._last if self._verify else self._next))
         self._n_replays_requested += 1
         self._in_flight = True
         self._attempt_first = True
@@ -490,7 +614,11 @@ class StreamSequencer:
         self._deadline_at = now + self._cfg.replay_deadline
 
     def _complete(self) -> bool:
-        return not self._held and (self._seen_max is None or self._next > self._seen_max)
+        return (
+            not self._verify
+            and not self._held
+            and (self._seen_max is None or self._next > self._seen_max)
+        )
 
     def _attempt_over(self, out: list[Action], now: float, timed_out: bool) -> None:
         """An attempt ended (end marker or timeout; _in_flight already cleared)."""
@@ -523,6 +651,9 @@ class StreamSequencer:
 
     def _give_up(self, out: list[Action], now: float, reason: str) -> None:
         self._n_replays_given_up += 1
+        if self._verify:  # no reply decided: keep following, unchecked
+            self._verify = False
+            self._n_unverified_reconnects += 1
         self._recovering = False
         self._failures = 0
         self._cooldown_until = now + self._cfg.replay_cooldown
@@ -540,6 +671,7 @@ class StreamSequencer:
         out.append(Deliver(self._epoch, seq, payload, replayed))
         self._next = seq + 1
         self._last = seq
+        self._last_payload = payload
 
     def _lose(self, out: list[Action], first: int, last: int, reason: str) -> None:
         """Report ``first..last`` lost; ``first`` must equal ``_next``."""

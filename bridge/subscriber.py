@@ -113,7 +113,7 @@ class StreamSubscriber:
         self.connected = False
         self.reconnect_at: float | None = None
         self.reconnect_attempts = 0
-        self._synced: tuple[int, ...] = (0,) * 6
+        self._synced: tuple[int, ...] = (0,) * 7
         self.sub: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
@@ -353,6 +353,7 @@ class StreamSubscriber:
             seq.replays_failed,
             seq.replays_given_up,
             seq.duplicates_dropped,
+            seq.unverified_reconnects,
         )
         last = self._synced
         if current == last:
@@ -365,6 +366,7 @@ class StreamSubscriber:
             m.replays.labels(pod, "failed"),
             m.replays.labels(pod, "given_up"),
             m.duplicates.labels(pod),
+            m.unverified_reconnects.labels(pod),
         )
         for counter, now_value, before in zip(counters, current, last, strict=True):
             if now_value > before:

@@ -232,7 +232,8 @@ def test_permanent_hole_is_lost_after_one_retry():
 
 def test_replay_disabled_reports_gaps_at_once():
     sq = running(0, 1, replay_enabled=False)
-    assert sq.on_connect(1.0) == []  # reconnect: nothing to ask
+    assert sq.on_connect(1.0) == []  # reconnect: nothing to ask, the incarnation unchecked
+    assert sq.unverified_reconnects == 1 and not sq.verifying
     assert live(sq, 5, 6) == [EventsLost(E, 2, 4, LOST_REPLAY_DISABLED), D(5), D(6)]
     assert sq.replays_requested == 0 and sq.gaps == 1
 
@@ -263,7 +264,7 @@ def test_idle_timeouts_backoff_give_up_and_cooldown():
     assert not sq.recovering and sq.next_deadline() is None and sq.in_cooldown(46.7)
     # Within the cooldown a gap is lost at once; reconnects do not replay either.
     assert live(sq, 9, now=46.0) == [EventsLost(E, 8, 8, LOST_REPLAY_COOLDOWN), D(9)]
-    assert sq.on_connect(46.1) == []
+    assert sq.on_connect(46.1) == [] and sq.unverified_reconnects == 1
     # After it, replay again.
     assert not sq.in_cooldown(46.75)
     assert live(sq, 11, now=46.75) == [SendReplay(10)]
@@ -463,31 +464,39 @@ def test_restart_during_first_contact_replay_opens_the_old_epoch_first():
 # ---------------------------------------------------------------------------- reconnect
 
 
-def test_reconnect_replays_from_next_with_unknown_end():
+def test_reconnect_replays_from_last_to_check_the_incarnation():
     sq = running(0, 1, 2, 3)
-    assert sq.on_connect(5.0) == [SendReplay(4)]
-    assert replay(sq, [4, 5, 6], now=5.1) == Ds([4, 5, 6], replayed=True)
-    assert not sq.recovering
+    assert sq.on_connect(5.0) == [SendReplay(3)]  # from last_seq, not last_seq + 1
+    assert sq.verifying and sq.recovering
+    assert replay(sq, [3, 4, 5, 6], now=5.1) == Ds([4, 5, 6], replayed=True)
+    assert not sq.recovering and not sq.verifying
     assert live(sq, 5, 6, 7) == [D(7)]
-    assert sq.on_connect(6.0) == [SendReplay(8)]
-    assert sq.on_replay_end(6.1) == []  # nothing was missed
+    assert sq.on_connect(6.0) == [SendReplay(7)]
+    assert replay(sq, [7], now=6.1) == []  # nothing was missed
     assert not sq.recovering and sq.lost == 0
+    assert sq.reconnects_verified == 2 and sq.restarts == 0 and sq.duplicates_dropped == 2
+    assert live(sq, 8) == [D(8)]
 
 
 def test_reconnect_with_live_arriving_during_the_replay():
     sq = running(0)
-    sq.on_connect(1.0)
-    assert live(sq, 1, 3) == [D(1)]  # in order while the replay runs; 3 is held
+    assert sq.on_connect(1.0) == [SendReplay(0)]
+    assert live(sq, 1, 3) == []  # held, even in order, until the incarnation is checked
+    assert sq.held == 2
+    assert replay(sq, [0], end=False) == [D(1)]  # same incarnation: 1 is released
     assert replay(sq, [1, 2, 3, 4]) == [D(2, True), D(3), D(4, True)]
+    assert sq.reconnects_verified == 1 and not sq.recovering
 
 
 def test_reconnect_restarts_an_attempt_in_flight():
     sq = running(0)
     live(sq, 3, now=0.0)
-    assert sq.on_connect(1.0) == [ResetReplay(), SendReplay(1)]
+    assert sq.on_connect(1.0) == [ResetReplay(), SendReplay(0)]  # now a checking attempt
     assert sq.next_deadline() == pytest.approx(3.0)
     sq.on_tick(3.0)  # time out, now in backoff
-    assert sq.on_connect(3.1) == [SendReplay(1)]  # no need to wait for the backoff
+    assert sq.on_connect(3.1) == [SendReplay(0)]  # no need to wait for the backoff
+    assert replay(sq, [0, 1, 2, 3]) == [D(1, True), D(2, True), D(3)]
+    assert sq.reconnects_verified == 1 and not sq.recovering
 
 
 def test_reconnect_before_anything_in_live_mode_does_nothing():
@@ -504,6 +513,191 @@ def test_stale_reply_with_nothing_in_flight():
     assert sq.stale_replies == 2 and sq.on_tick(100.0) == []
 
 
+# ---------------------------------------------------------------------------- reconnect check
+
+
+@pytest.mark.parametrize("top", [4, 8], ids=["new-incarnation-at-last", "new-incarnation-ahead"])
+def test_restart_while_disconnected_is_caught_by_the_check(top):
+    # Inc 1 published 0..top while we were away; its live seqs are above our live_max, so the
+    # live socket cannot tell. (Same if inc 0's ROUTER restarted after on_connect.)
+    sq = running(0, 1, 2, 3, 4, first_contact="replay")
+    assert sq.on_connect(1.0) == [SendReplay(4)]
+    assert live(sq, top + 1, top + 2, inc=1) == [] and sq.held == 2  # held while checking
+    assert sq.on_replay_batch(4, pl(4, 1), 1.1) == [  # same seq, other bytes
+        ResetReplay(),
+        PublisherRestarted(E, E + 1, 4, 4),
+        SendReplay(0),
+    ]
+    assert sq.epoch == E + 1 and sq.held == 0 and not sq.verifying
+    assert sq.restarts == 1 and sq.restarts_detected_on_reconnect == 1
+    assert sq.unverified_discarded == 2  # fetched again by the replay from 0
+    assert replay(sq, range(top + 3), now=1.2, inc=1) == Ds(range(top + 3), True, E + 1, 1)
+    assert live(sq, top + 3, inc=1) == [D(top + 3, epoch=E + 1, inc=1)]
+    assert sq.lost == 0 and not sq.recovering
+
+
+def test_restart_while_disconnected_behind_with_an_empty_reply():
+    sq = running(0, 1, 2, 3, 4, first_contact="replay")
+    assert sq.on_connect(1.0) == [SendReplay(4)]
+    # Inc 1 only got to 2: nothing >= 4 buffered, which the same incarnation cannot answer.
+    assert sq.on_replay_end(1.1) == [PublisherRestarted(E, E + 1, 4, 0), SendReplay(0)]
+    assert replay(sq, [0, 1, 2], now=1.2, inc=1) == Ds([0, 1, 2], True, E + 1, 1)
+    assert live(sq, 3, inc=1) == [D(3, epoch=E + 1, inc=1)]
+    assert sq.restarts_detected_on_reconnect == 1 and sq.lost == 0
+
+
+def test_restart_while_disconnected_behind_revealed_live_during_the_check():
+    sq = running(0, 1, 2, 3, 4, first_contact="replay")
+    sq.on_connect(1.0)
+    assert live(sq, 1, inc=1) == [ResetReplay(), PublisherRestarted(E, E + 1, 4, 1), SendReplay(0)]
+    assert sq.restarts == 1 and sq.restarts_detected_on_reconnect == 0 and not sq.verifying
+    assert replay(sq, [0, 1, 2], inc=1) == [D(0, True, E + 1, 1), D(1, False, E + 1, 1)] + [
+        D(2, True, E + 1, 1)
+    ]
+
+
+def test_restart_found_by_the_check_in_live_first_contact_mode():
+    sq = running(0, 1, 2, 3, 4)  # first_contact="live"
+    assert sq.on_connect(1.0) == [SendReplay(4)]
+    assert sq.on_replay_batch(4, pl(4, 1), 1.1) == [
+        ResetReplay(),
+        PublisherRestarted(E, E + 1, 4, 4),
+    ]
+    assert not sq.recovering and sq.next_deadline() is None
+    assert live(sq, 9, inc=1) == [
+        EventsLost(E + 1, 0, 8, LOST_BEFORE_FIRST_CONTACT),
+        D(9, epoch=E + 1, inc=1),
+    ]
+
+
+def test_restart_found_by_the_check_during_a_gap_recovery():
+    sq = running(0, 1, first_contact="replay")
+    assert live(sq, 4) == [SendReplay(2)]
+    assert sq.on_connect(1.0) == [ResetReplay(), SendReplay(1)]
+    assert live(sq, 6, inc=1) == []  # after the reconnect: its incarnation is unknown
+    assert sq.on_replay_batch(1, pl(1, 1), 1.1) == [
+        ResetReplay(),
+        EventsLost(E, 2, 3, LOST_RESTARTED_DURING_REPLAY),
+        D(4),  # heard before the reconnect: the old incarnation's
+        PublisherRestarted(E, E + 1, 4, 1),
+        SendReplay(0),
+    ]
+    assert sq.unverified_discarded == 1 and sq.held == 0
+
+
+def test_restart_found_by_the_check_never_files_later_live_in_the_old_epoch():
+    sq = running(0, max_held=10, first_contact="replay")
+    live(sq, 4)
+    # A holed reply: 1 delivered, 3-6 seen (5 and 6 are known to exist), then given up on.
+    assert replay(sq, [1, 3, 4, 5, 6], now=0.1) == [D(1, True)]
+    assert sq.on_connect(1.0) == [SendReplay(1)]
+    # Inc 1's 5 and 8: above live_max; 5 is also below the highest seq known of inc 0.
+    assert live(sq, 5, 8, inc=1) == []
+    assert sq.on_replay_batch(1, pl(1, 1), 1.1) == [
+        ResetReplay(),
+        EventsLost(E, 2, 3, LOST_RESTARTED_DURING_REPLAY),
+        D(4),
+        EventsLost(E, 5, 6, LOST_RESTARTED_DURING_REPLAY),  # inc 0's 5 and 6, never inc 1's
+        PublisherRestarted(E, E + 1, 4, 1),
+        SendReplay(0),
+    ]
+    assert sq.unverified_discarded == 2
+
+
+def test_same_incarnation_reconnect_without_missed_batches():
+    sq = running(0, 1, 2, 3, 4)
+    assert sq.on_connect(1.0) == [SendReplay(4)]
+    assert sq.on_replay_batch(2, pl(2), 1.1) == [] and sq.verifying  # below the request: no answer
+    assert replay(sq, [4], now=1.1) == []
+    assert not sq.recovering and not sq.verifying and sq.next_deadline() is None
+    assert sq.reconnects_verified == 1 and sq.restarts == 0 and sq.unverified_reconnects == 0
+    assert live(sq, 5) == [D(5)] and sq.last_seq == 5
+
+
+def test_same_incarnation_reconnect_with_missed_batches():
+    sq = running(0, 1, 2, 3, 4)
+    sq.on_connect(1.0)
+    assert live(sq, 8) == []
+    assert replay(sq, [4, 5, 6, 7, 8, 9], now=1.1) == [*Ds([5, 6, 7], True), D(8), D(9, True)]
+    assert sq.reconnects_verified == 1 and sq.lost == 0 and sq.epoch == E
+
+
+def test_check_when_seqs_after_last_were_reported_lost():
+    sq = running(0, max_held=1, replay_max_attempts=2)
+    live(sq, 3, 4, 5, now=0.0)
+    for t in (2.0, 2.2, 4.2):  # two attempts time out: 1-2 and 4-5 lost, 3 delivered
+        sq.on_tick(t)
+    assert sq.replays_given_up == 1
+    assert (sq.last_seq, sq.next_seq) == (3, 6)
+    assert sq.on_connect(40.0) == [SendReplay(3)]
+    # 4, 5 are duplicates of what was reported lost. The jump to 8 follows the probe: as any
+    # gap after a reply's first batch it may be a ROUTER drop, so it is asked again.
+    assert replay(sq, [3, 4, 5, 8, 9], now=40.1) == []
+    assert sq.reconnects_verified == 1 and sq.replay_discarded == 2 and sq.replays_failed == 3
+    assert sq.on_tick(40.5) == [SendReplay(6)]  # no check any more
+    assert replay(sq, [8, 9], now=40.6) == [
+        EventsLost(E, 6, 7, LOST_NOT_IN_REPLAY_BUFFER),
+        D(8, True),
+        D(9, True),
+    ]
+
+
+def test_first_reply_above_last_cannot_be_checked():
+    sq = running(0, 1, 2, 3, 4)
+    sq.on_connect(1.0)
+    # 4 evicted by the same incarnation, or a new one far ahead: taken as today.
+    assert replay(sq, [7, 8], now=1.1) == [
+        EventsLost(E, 5, 6, LOST_NOT_IN_REPLAY_BUFFER),
+        D(7, True),
+        D(8, True),
+    ]
+    assert sq.unverified_reconnects == 1 and sq.restarts == 0 and sq.epoch == E
+
+
+def test_check_timing_out_then_succeeding():
+    sq = running(0, 1, 2, 3, 4, backoff_initial=0.25)
+    assert sq.on_connect(10.0) == [SendReplay(4)]
+    sq.on_replay_sent(10.5)  # the I/O waited for a replay slot
+    assert sq.next_deadline() == 12.5
+    assert live(sq, 5, now=11.0) == []
+    assert sq.on_tick(12.49) == []
+    assert sq.on_tick(12.5) == [ResetReplay()]
+    assert sq.verifying and sq.replays_failed == 1 and sq.next_deadline() == 12.75
+    assert sq.on_tick(12.75) == [SendReplay(4)]  # the retry checks again
+    assert replay(sq, [4, 5, 6], now=13.0) == [D(5), D(6, True)]
+    assert sq.reconnects_verified == 1 and not sq.recovering
+
+
+def test_check_timing_out_then_finding_a_restart():
+    sq = running(0, 1, 2, 3, 4, backoff_initial=0.25, first_contact="replay")
+    sq.on_connect(10.0)
+    sq.on_tick(12.0)
+    assert sq.on_tick(12.25) == [SendReplay(4)]
+    assert sq.on_replay_end(12.3) == [PublisherRestarted(E, E + 1, 4, 0), SendReplay(0)]
+
+
+def test_check_giving_up_keeps_following_unchecked():
+    sq = running(0, 1, 2, 3, 4, replay_max_attempts=1)
+    sq.on_connect(0.0)
+    assert live(sq, 5, 6) == []
+    assert sq.on_tick(2.0) == [ResetReplay(), D(5), D(6)]
+    assert sq.unverified_reconnects == 1 and not sq.verifying and sq.in_cooldown(2.1)
+
+
+def test_reconnect_before_anything_accounted_forgets_what_it_heard():
+    sq = make()
+    assert sq.on_connect(0.0) == [SendReplay(0)]
+    assert live(sq, 5) == []
+    # The publisher may have restarted meanwhile; nothing of the epoch is owed to the old one.
+    assert sq.on_connect(1.0) == [ResetReplay(), SendReplay(0)]
+    assert sq.held == 0 and sq.unverified_discarded == 1
+    assert replay(sq, [0, 1, 2], now=1.1, inc=1) == [
+        StreamStarted(E, 0),
+        *Ds([0, 1, 2], True, inc=1),
+    ]
+    assert live(sq, 3, inc=1) == [D(3, inc=1)]
+
+
 def test_config_is_validated():
     with pytest.raises(ValueError, match="first_contact"):
         SequencerConfig(first_contact="later")  # type: ignore[arg-type]
@@ -516,20 +710,34 @@ def test_config_is_validated():
 LIVE, DROPPED, LOST = "live", "dropped", "lost"
 
 
+def incarnation_of(payload: bytes) -> tuple[int, int]:
+    """(incarnation, seq) named by a payload made by :func:`pl`."""
+    inc, seq = payload.decode().removeprefix("inc").split("/seq")
+    return int(inc), int(seq)
+
+
 @dataclass
 class Harness:
     """A model vLLM publisher and transport around one sequencer.
 
     Per incarnation, each seq is published LIVE (reaches the SUB), DROPPED (not sent to us but
-    buffered) or LOST (encode failure: neither). The replay ring keeps the last
+    buffered) or LOST (encode failure: neither); while the SUB is disconnected nothing reaches
+    it (live messages already received are read first). The replay ring keeps the last
     ``buffer_size`` buffered seqs. Replies are generated when a request is served, from the
-    ring at that moment, and may be complete, truncated, holed or silent (no end marker).
-    Restarts are always detectable (the new incarnation's first live seq is at or below the
-    old one's highest live seq); a request reaching a publisher the sequencer does not know
-    restarted is never answered, as nothing on the wire could tell the incarnations apart.
-    ``inc_of`` maps each epoch to the incarnation whose live message opened it: the one
-    ambiguous case, a first live seq 0 arriving after a first-contact replay delivered higher
-    seqs, is taken for a restart (safe: the same data again, in a new epoch).
+    ring of the incarnation running then, and may be complete, truncated, holed or silent (no
+    end marker); a truncated reply to a reconnect's check keeps its first batch (the ROUTER's
+    HWM cannot drop it, see the sequencer's docstring).
+
+    Restarts happen while connected or while disconnected. One while connected keeps itself
+    detectable on the live socket (the new incarnation's first live seq is at or below the
+    highest live seq the sequencer took in its epoch), as nothing else could reveal it: a plain
+    request reaching a publisher other than the one the sequencer follows (``follow``) is never
+    answered. One while disconnected is left to the reconnect's check, whose requests are
+    answered by whoever runs. Payloads name their incarnation; the invariant is that an epoch
+    delivers the batches of one incarnation only, except an epoch in which the sequencer
+    counted an unchecked reconnect (``blurred``). The one ambiguous live case, a first live seq
+    0 arriving after a first-contact replay delivered higher seqs, is taken for a restart
+    (safe: the same data again, in a new epoch).
     """
 
     sq: StreamSequencer
@@ -537,16 +745,23 @@ class Harness:
     now: float = 0.0
     inc: int = 0
     pub_next: int = 0
+    connected: bool = True
     buffer: deque = field(default_factory=deque)
-    live_max: list = field(default_factory=lambda: [None])  # per incarnation
-    first_live_bound: int = 0
+    live_max: list = field(default_factory=lambda: [None])  # per incarnation, as published
+    force_bound: list = field(default_factory=lambda: [None])  # per incarnation (connected)
     live_q: deque = field(default_factory=deque)  # (inc, seq)
-    pending: deque = field(default_factory=deque)  # (epoch, start)
-    reply_q: deque = field(default_factory=deque)  # (inc, seq, must_deliver) | None = end
+    pending: deque = field(default_factory=deque)  # (start, checking)
+    reply_q: deque = field(default_factory=deque)  # (inc, seq or None = end, must_deliver)
     actions: list = field(default_factory=list)
     must_deliver: set = field(default_factory=set)  # (epoch, seq)
     stale_injected: int = 0
-    inc_of: dict = field(default_factory=lambda: {E: 0})  # epoch -> incarnation
+    follow: dict = field(default_factory=lambda: {E: 0})  # epoch -> inc (None: any)
+    epoch_inc: dict = field(default_factory=dict)  # epoch -> inc of its delivered batches
+    blurred: set = field(default_factory=set)  # epochs with an unchecked reconnect
+    spurious: set = field(default_factory=set)  # epochs closed by the ambiguous live 0
+    fed_max: dict = field(default_factory=dict)  # epoch -> highest live seq taken in it
+    unchecked: list = field(default_factory=list)  # live seqs taken during a pending check
+    revealed: int = 0  # latest incarnation that reached the sequencer
     in_ring: set = field(default_factory=set)  # what the ring held for the reply being fed
     fed_live: set = field(default_factory=set)  # incarnations with a live message fed
     live_seqs: set = field(default_factory=set)  # seqs of this incarnation published live
@@ -562,12 +777,50 @@ class Harness:
                 self.reply_q.clear()
             elif isinstance(a, SendReplay):
                 assert not self.pending and not self.reply_q, "two requests on one DEALER"
-                self.pending.append((self.sq.epoch, a.start_seq))
+                checking = self.sq.verifying
+                assert a.start_seq == (self.sq.last_seq if checking else self.sq.next_seq)
+                self.pending.append((a.start_seq, checking))
+            elif isinstance(a, Deliver):
+                inc, seq = incarnation_of(a.payload)
+                assert seq == a.seq
+                first = self.epoch_inc.setdefault(a.epoch, inc)
+                if a.epoch not in self.blurred:
+                    assert inc == first, f"epoch {a.epoch} mixes incarnations {first} and {inc}"
+
+    def drive(self, call, inc: int | None = None, live_seq: int | None = None) -> list[Action]:
+        """Run one sequencer input (from incarnation ``inc``) and follow its effects."""
+        sq = self.sq
+        epoch, checking, unchecked = sq.epoch, sq.verifying, sq.unverified_reconnects
+        out = call()
+        if sq.epoch != epoch:
+            assert sq.epoch == epoch + 1 and inc is not None
+            if epoch not in self.blurred and inc in (self.follow[epoch], self.epoch_inc.get(epoch)):
+                assert live_seq == 0 and inc not in self.fed_live, "spurious restart"
+                self.spurious.add(epoch)
+            self.follow[sq.epoch] = inc
+            self.unchecked.clear()  # taken after the reconnect: dropped with the old epoch
+        elif checking and not sq.verifying:  # the check passed, or could not decide
+            for s in self.unchecked:
+                self.fed_max[epoch] = max(self.fed_max.get(epoch, -1), s)
+            self.unchecked.clear()
+        if sq.unverified_reconnects != unchecked:
+            assert sq.unverified_reconnects == unchecked + 1
+            self.blurred.add(sq.epoch)
+            self.follow[sq.epoch] = self.inc if inc is None else inc
+        if inc is not None:
+            self.revealed = max(self.revealed, inc)
+            if self.follow[sq.epoch] is None:
+                self.follow[sq.epoch] = inc
+        self.apply(out)
+        return out
 
     def publish(self, fate: str) -> None:
         seq = self.pub_next
         self.pub_next += 1
-        if self.inc > 0 and self.live_max[self.inc] is None and seq >= self.first_live_bound:
+        bound = self.force_bound[self.inc]
+        if not self.connected:
+            fate = DROPPED if fate == LIVE else fate
+        elif bound is not None and self.live_max[self.inc] is None and seq >= bound:
             fate = LIVE  # keep the restart detectable
         if fate != LOST:
             self.buffer.append(seq)
@@ -578,26 +831,23 @@ class Harness:
 
     def feed_live(self) -> None:
         inc, seq = self.live_q.popleft()
-        before = self.sq.epoch
-        out = self.sq.on_live(seq, pl(seq, inc), self.now)
-        if self.sq.epoch != before:
-            assert self.sq.epoch == before + 1
-            if self.inc_of[before] == inc:
-                assert (inc, seq) == (0, 0) and 0 not in self.fed_live, "spurious restart"
-            self.inc_of[self.sq.epoch] = inc
-        assert self.inc_of[self.sq.epoch] == inc, "restart not detected"
+        self.drive(lambda: self.sq.on_live(seq, pl(seq, inc), self.now), inc, seq)
         self.fed_live.add(inc)
-        self.apply(out)
+        if self.sq.verifying:
+            self.unchecked.append(seq)
+        else:
+            e = self.sq.epoch
+            self.fed_max[e] = max(self.fed_max.get(e, -1), seq)
 
     def serve(self, mode: str, cut: int) -> None:
-        epoch, start = self.pending.popleft()
-        if self.inc_of[epoch] != self.inc:
-            return  # sent to a publisher that has since restarted: no answer
+        start, checking = self.pending.popleft()
+        if not checking and self.follow[self.sq.epoch] not in (None, self.inc):
+            return  # sent to a publisher that restarted unseen: no answer
         items = [s for s in self.buffer if s >= start]
         self.in_ring = set(items)
         end = True
         if mode == "truncate":
-            items = items[: cut % (len(items) + 1)]
+            items = items[: max(cut % (len(items) + 1), 1 if checking else 0)]
         elif mode == "hole" and len(items) >= 3:
             # Prefer dropping a batch we did not also get live (else there is nothing to see).
             inner = range(1, len(items) - 1)
@@ -613,41 +863,52 @@ class Harness:
         for i, s in enumerate(items):
             self.reply_q.append((self.inc, s, i < run))
         if end:
-            self.reply_q.append(None)
+            self.reply_q.append((self.inc, None, False))
 
     def feed_reply(self) -> None:
-        assert self.sq.replay_in_flight, "a reply is queued but no attempt is in flight"
-        item = self.reply_q.popleft()
-        if item is None:
-            self.apply(self.sq.on_replay_end(self.now))
+        sq = self.sq
+        assert sq.replay_in_flight, "a reply is queued but no attempt is in flight"
+        inc, seq, must = self.reply_q.popleft()
+        if seq is None:
+            self.drive(lambda: sq.on_replay_end(self.now), inc)
             return
-        inc, seq, must = item
-        epoch = self.sq.epoch
-        assert self.inc_of[epoch] == inc
-        if must:
-            self.must_deliver.add((epoch, seq))
-        out = self.sq.on_replay_batch(seq, pl(seq, inc), self.now)
+        if must and seq >= sq.next_seq:
+            self.must_deliver.add((sq.epoch, seq))
+        out = self.drive(lambda: sq.on_replay_batch(seq, pl(seq, inc), self.now), inc)
         for a in out:  # "not in replay buffer" must be true: a hole in a reply is retried
             if isinstance(a, EventsLost) and a.reason == LOST_NOT_IN_REPLAY_BUFFER:
                 assert not self.in_ring.intersection(range(a.from_seq, a.to_seq + 1))
-        self.apply(out)
 
     def tick(self, dt: float, at: float | None = None) -> None:
         self.now = max(self.now + dt, at or 0.0)
         due = self.sq.next_deadline()
-        out = self.sq.on_tick(self.now)
+        out = self.drive(lambda: self.sq.on_tick(self.now))
         if due is None or self.now < due:
             assert out == []
-        self.apply(out)
 
     def reconnect(self) -> None:
         self.pending.clear()  # whatever was on the wire is gone
         self.reply_q.clear()
-        self.apply(self.sq.on_connect(self.now))
+        self.connected = True
+        self.drive(lambda: self.sq.on_connect(self.now))
+        if self.sq.next_seq == 0:  # a first contact starts afresh: what it heard is forgotten
+            self.follow[self.sq.epoch] = None
+            self.fed_max.pop(self.sq.epoch, None)
+
+    def disconnect(self) -> None:
+        while self.live_q:  # received before the drop was noticed
+            self.feed_live()
+        self.connected = False
+
+    def can_restart(self) -> bool:
+        if not self.connected:
+            return True
+        # Connected: only once the live socket can reveal it (see the class docstring).
+        sq = self.sq
+        return not self.live_q and not sq.verifying and self.fed_max.get(sq.epoch) is not None
 
     def restart(self) -> None:
-        assert self.live_max[self.inc] is not None
-        self.first_live_bound = self.live_max[self.inc]
+        self.force_bound.append(self.fed_max[self.sq.epoch] if self.connected else None)
         self.inc += 1
         self.pub_next = 0
         self.buffer.clear()
@@ -694,10 +955,9 @@ class Harness:
                 assert a.last_seq == last[epoch] and (epoch != E or started)
                 epoch = a.epoch
                 expected[epoch], last[epoch] = 0, None
-            elif isinstance(a, Deliver):
+            elif isinstance(a, Deliver):  # its incarnation was checked as it came
                 assert a.epoch == epoch and (epoch != E or started)
                 assert a.seq == expected[epoch], "out of order, repeated or skipped"
-                assert a.payload == pl(a.seq, self.inc_of[epoch])
                 expected[epoch] = a.seq + 1
                 last[epoch] = a.seq
                 delivered.add((epoch, a.seq))
@@ -710,30 +970,31 @@ class Harness:
                 n_lost += a.to_seq - a.from_seq + 1
             else:
                 assert cfg.replay_enabled
-        # Every incarnation that showed itself was detected, and its last epoch is accounted
-        # past its highest live seq; nothing is pending any more.
-        shown = self.inc if self.live_max[self.inc] is not None or self.inc == 0 else self.inc - 1
-        assert self.inc_of[sq.epoch] == shown
-        last_epoch = {inc: e for e, inc in sorted(self.inc_of.items())}
-        for inc, e in last_epoch.items():
-            if self.live_max[inc] is not None:
-                assert expected[e] > self.live_max[inc]
-        assert not sq.recovering and sq.held == 0 and sq.next_deadline() is None
+        # Every epoch is accounted past the live seqs it took; the latest incarnation that
+        # reached the sequencer is the one it follows; nothing is pending any more.
+        for e, top in self.fed_max.items():
+            assert expected[e] > top, f"epoch {e} not accounted up to live seq {top}"
+        if sq.epoch not in self.blurred:
+            assert self.follow[sq.epoch] in (None, self.revealed)
+        assert not sq.recovering and not sq.verifying and sq.held == 0
+        assert sq.next_deadline() is None
         assert sq.next_seq == expected[sq.epoch] and sq.last_seq == last[sq.epoch]
         # A batch that a replay brought in order was delivered, never reported lost.
         assert self.must_deliver <= delivered
         assert sq.lost == n_lost and sq.stale_replies == self.stale_injected
         assert sq.restarts == sq.epoch - E
-        if reliable:  # nothing lost, except in an epoch a (safe) spurious restart closed
-            for e in lossy_epochs:
-                assert self.inc_of.get(e + 1) == self.inc_of[e], f"lost in epoch {e}"
+        assert sq.restarts_detected_on_reconnect <= sq.restarts
+        if reliable:  # nothing lost, except in an epoch a (safe) spurious restart closed;
+            # and every reconnect's check decides (the rings keep everything)
+            assert lossy_epochs <= self.spurious, f"lost in epochs {lossy_epochs}"
+            assert sq.unverified_reconnects == 0 and not self.blurred
 
 
 OPS = ["publish"] * 6 + ["live"] * 5 + ["reply"] * 6 + ["serve"] * 3 + ["tick"] * 3
-OPS += ["reconnect", "restart", "stale"]
+OPS += ["reconnect", "reconnect", "restart", "restart", "stale", "disconnect"]
 
 
-def run_model(data: st.DataObject, reliable: bool) -> None:
+def run_model(data: st.DataObject, reliable: bool) -> Harness:
     draw = data.draw
     if reliable:  # every seq is buffered for good, and replay eventually answers in full
         cfg = SequencerConfig(
@@ -771,14 +1032,20 @@ def run_model(data: st.DataObject, reliable: bool) -> None:
             h.tick(draw(st.sampled_from([0.1, 0.3, 1.0, 2.5, 8.0, 40.0])))
         elif op == "reconnect":
             h.reconnect()
-        elif op == "restart" and h.live_max[h.inc] is not None:
+        elif op == "disconnect" and h.connected:
+            h.disconnect()
+        elif op == "restart":
             if reliable:
                 h.settle()  # a reliable run loses nothing: restart once all is accounted
-            h.restart()
+            if h.can_restart():
+                h.restart()
         elif op == "stale":
             h.inject_stale(draw(st.booleans()), draw(st.integers(0, 30)))
+    if not h.connected:
+        h.reconnect()
     h.settle()
     h.check(reliable)
+    return h
 
 
 @settings(max_examples=300, deadline=None)
