@@ -162,6 +162,50 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
         help="reconnect a stream after this long without a message (0 = never, the default: "
         "idle engines are legitimately silent; heartbeats catch dead peers)",
     )
+    g = run.add_argument_group("delivery")
+    g.add_argument(
+        "--checkpoint-topic",
+        metavar="NAME",
+        help="compacted topic of per-stream checkpoints (default <topic>.checkpoints); a "
+        "restarted bridge resumes each stream from it with a replay",
+    )
+    g.add_argument(
+        "--checkpoint-interval",
+        type=parse_duration,
+        metavar="DURATION",
+        help="how often acknowledged positions are checkpointed (1s)",
+    )
+    g.add_argument(
+        "--exactly-once",
+        action="store_true",
+        default=None,
+        help="write events and checkpoints in Kafka transactions: a read_committed consumer "
+        "sees every event exactly once across bridge crashes",
+    )
+    g.add_argument(
+        "--transactional-id",
+        metavar="ID",
+        help="transactional id (default kvbridge-<topic>); a second bridge with the "
+        "same id fences the first, which exits with code 3",
+    )
+    g.add_argument(
+        "--commit-interval",
+        type=parse_duration,
+        metavar="DURATION",
+        help="exactly-once: commit at least this often (100ms)",
+    )
+    g.add_argument(
+        "--commit-max-events",
+        type=int,
+        metavar="N",
+        help="exactly-once: commit after this many records (10000)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="on SIGTERM, how long to flush, checkpoint and commit (30s)",
+    )
     run.add_argument(
         "--idle-probe",
         type=parse_duration,
@@ -236,6 +280,17 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     return parser
 
 
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{value!r} is not a boolean")
+
+
 def resolve_run_config(
     args: argparse.Namespace, environ: dict[str, str] | None = None
 ) -> BridgeConfig:
@@ -278,6 +333,15 @@ def resolve_run_config(
     cfg.reconnect_factor = pick("reconnect_factor", float)
     cfg.silence_timeout = pick("silence_timeout", parse_duration)
     cfg.idle_probe = pick("idle_probe", parse_duration)
+    cfg.checkpoint_topic = pick("checkpoint_topic")
+    cfg.checkpoint_interval = pick("checkpoint_interval", parse_duration)
+    cfg.exactly_once = pick("exactly_once", _boolean)
+    cfg.transactional_id = pick("transactional_id")
+    cfg.commit_interval = pick("commit_interval", parse_duration)
+    cfg.commit_max_events = pick("commit_max_events", int)
+    cfg.shutdown_timeout = pick("shutdown_timeout", parse_duration)
+    if cfg.commit_max_events < 1 or cfg.commit_interval <= 0 or cfg.checkpoint_interval <= 0:
+        raise ConfigError("commit_max_events, commit_interval, checkpoint_interval must be > 0")
     cfg.poll_timeout = pick("poll_timeout", parse_duration)
     for name in ("replay_attempts", "max_replays"):
         if getattr(cfg, name) < 1:
@@ -321,6 +385,7 @@ def resolve_run_config(
 
 def cmd_run(args: argparse.Namespace) -> int:
     from bridge.runner import Bridge
+    from bridge.sink import Fenced
 
     cfg = resolve_run_config(args)
     if not cfg.pods:
@@ -339,7 +404,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
-    bridge.open()
+    try:
+        bridge.open()
+    except Exception:
+        bridge.close()
+        raise
     log.info(
         "bridge running: %d pods, %d streams -> topic %s at %s",
         len(cfg.pods),
@@ -347,7 +416,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg.topic,
         cfg.bootstrap_servers,
     )
-    bridge.run()
+    try:
+        bridge.run()
+    except Fenced as exc:
+        print(f"kvbridge run: {exc}", file=sys.stderr)
+        return 3
     log.info("stopped")
     return 0
 

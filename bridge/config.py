@@ -143,6 +143,14 @@ class BridgeConfig:
     idle_probe: float = 2.0  # ask for newer batches after this long idle; 0 = off
     poll_timeout: float = 0.1  # longest the event loop sleeps
     max_replays: int = 8  # replays in flight across all pods (vLLM serves them inline)
+    checkpoint_topic: str | None = None  # default "<topic>.checkpoints"
+    checkpoint_interval: float = 1.0
+    exactly_once: bool = False
+    transactional_id: str | None = None  # default "kvbridge-<topic>"
+    commit_interval: float = 0.1
+    commit_max_events: int = 10_000
+    commit_timeout: float = 60.0
+    shutdown_timeout: float = 30.0
     rcvhwm: int = 100_000
     max_message_bytes: int = 64 * 1024 * 1024
     kafka: dict[str, str] = field(default_factory=dict)  # librdkafka properties passed through

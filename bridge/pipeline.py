@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,9 @@ from bridge.vllm.decoder import DecodeError, decode_batch
 log = logging.getLogger(__name__)
 
 
+Position = tuple[int, int, bytes | None]
+
+
 @dataclass(slots=True)
 class StreamInfo:
     """Identity of one (pod, dp_rank) stream, with its metric children cached."""
@@ -28,16 +32,31 @@ class StreamInfo:
     endpoint: str
     key: bytes = b""
     counters: dict[str, Any] = field(default_factory=dict)
+    # Positions (epoch, seq, payload or None for a loss marker) for checkpoints: the last batch
+    # handed to the producer, the last one Kafka acknowledged, the last one checkpointed.
+    delivered: Position | None = None
+    acked: Position | None = None
+    written: Position | None = None
 
     def __post_init__(self) -> None:
         self.key = self.pod.encode()
 
 
 class Pipeline:
-    def __init__(self, codec: RecordCodec, sink: KafkaSink, metrics: BridgeMetrics) -> None:
+    def __init__(
+        self,
+        codec: RecordCodec,
+        sink: KafkaSink,
+        metrics: BridgeMetrics,
+        track_acks: bool = True,
+    ) -> None:
         self.codec = codec
         self.sink = sink
         self.metrics = metrics
+        # At-least-once: checkpoints follow acknowledgements. Exactly-once: the transaction
+        # commits records and checkpoints together, so `delivered` is enough.
+        self.track_acks = track_acks
+        self.produced = 0  # records handed to the producer (commit pacing)
         self.bad_input = RateLimitedLog(log)
         self._type_counters: dict[tuple[str, str], Any] = {}
 
@@ -83,15 +102,34 @@ class Pipeline:
         encode = self.codec.encode
         produce = self.sink.produce
         key = stream.key
-        for index, event in enumerate(batch.events):
+        events = batch.events
+        position = (epoch, seq, payload)
+        last = len(events) - 1
+        for index, event in enumerate(events):
             env = Envelope(
                 stream.pod, stream.model, stream.dp_rank, epoch, seq, index, batch.ts, batch.extra
             )
             if isinstance(event, UnknownEvent):
                 m.unknown_events.labels(stream.pod, event.tag[:64]).inc()
             self._count_event(stream.pod, type(event).__name__)
-            produce(key, encode(env, event))
+            if index == last and self.track_acks:
+                produce(key, encode(env, event), self._on_acked(stream, position))
+            else:
+                produce(key, encode(env, event))
+        self.produced += len(events)
+        stream.delivered = position
         m.last_seq.labels(stream.pod, str(stream.dp_rank)).set(seq)
+
+    def _on_acked(self, stream: StreamInfo, position: Position) -> Callable[..., None]:
+        """Delivery callback of a batch's last record: moves the stream's checkpoint."""
+        default = self.sink.delivery_callback()
+
+        def acked(err: Any, msg: Any) -> None:
+            default(err, msg)
+            if err is None:
+                stream.acked = position
+
+        return acked
 
     def marker(self, stream: StreamInfo, epoch: int, seq: int, marker: Marker) -> None:
         env = Envelope(stream.pod, stream.model, stream.dp_rank, epoch, seq, -1, time.time())
@@ -112,4 +150,12 @@ class Pipeline:
             )
         else:
             log.info("pod %s rank %d epoch %d: %s", stream.pod, stream.dp_rank, epoch, marker)
-        self.sink.produce(stream.key, self.codec.encode(env, marker))
+        value = self.codec.encode(env, marker)
+        self.produced += 1
+        if isinstance(marker, EventsLost):
+            position = (epoch, marker.to_seq, None)
+            stream.delivered = position
+            if self.track_acks:
+                self.sink.produce(stream.key, value, self._on_acked(stream, position))
+                return
+        self.sink.produce(stream.key, value)

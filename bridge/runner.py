@@ -10,13 +10,15 @@ from collections.abc import Callable
 import zmq
 from confluent_kafka import KafkaException
 
-from bridge.config import BridgeConfig, offset_port
+from bridge.checkpoints import Checkpoint, checkpoint_key, load_checkpoints
+from bridge.config import BridgeConfig, PodConfig, offset_port
 from bridge.listener import SharedListener
+from bridge.markers import EventsLost
 from bridge.metrics import BridgeMetrics
 from bridge.pipeline import Pipeline, StreamInfo
 from bridge.records import RecordCodec
 from bridge.replaylimit import ReplayLimiter
-from bridge.sequencer import SequencerConfig
+from bridge.sequencer import SequencerConfig, payload_digest
 from bridge.sink import KafkaSink, ensure_topic
 from bridge.subscriber import ReconnectPolicy, SocketRegistry, StreamSubscriber
 
@@ -40,14 +42,23 @@ class Bridge:
         self.registry = SocketRegistry(self.poller)
         self.codec = RecordCodec()
         self._acked: dict[bytes, object] = {}
+        self.exactly_once = config.exactly_once
         self.sink = KafkaSink(
             config.bootstrap_servers,
             config.topic,
             config.kafka,
             on_success=self._on_acked,
             on_failure=self._on_failed,
+            transactional_id=(config.transactional_id or f"kvbridge-{config.topic}")
+            if config.exactly_once
+            else None,
         )
-        self.pipeline = Pipeline(self.codec, self.sink, self.metrics)
+        self.pipeline = Pipeline(
+            self.codec, self.sink, self.metrics, track_acks=not config.exactly_once
+        )
+        self.checkpoint_topic = config.checkpoint_topic or f"{config.topic}.checkpoints"
+        self.committed: dict[tuple[str, int], Checkpoint] = {}
+        self._lost_reported: set[tuple[str, int, int, int]] = set()
         self.streams: list[StreamSubscriber] = []
         self.listeners: list[SharedListener] = []
         self.limiter = ReplayLimiter(config.max_replays)
@@ -67,8 +78,22 @@ class Bridge:
         c.inc()  # type: ignore[attr-defined]
 
     def _on_failed(self, key: bytes | None, value: bytes | None, err: object) -> None:
+        """Kafka refused a record for good: write that batch as lost, once, so it is not silent."""
         pod = (key or b"?").decode(errors="replace")
         self.metrics.produce_errors.labels(pod).inc()
+        if value is None:
+            return
+        try:
+            env = self.codec.decode(value).envelope
+        except Exception:  # not one of ours (a checkpoint): counted and logged by the sink
+            return
+        ident = (env.pod, env.dp_rank, env.epoch, env.seq)
+        stream = next((s for s in self.streams if (s.info.pod, s.info.dp_rank) == ident[:2]), None)
+        if env.index < 0 or stream is None or ident in self._lost_reported:
+            return
+        self._lost_reported.add(ident)
+        reason = f"kafka refused a record: {getattr(err, 'str', lambda: err)()}"[:500]
+        self.pipeline.marker(stream.info, env.epoch, env.seq, EventsLost(env.seq, env.seq, reason))
 
     def _stream_count(self) -> int:
         return sum(p.dp_size for p in self.config.pods)
@@ -85,8 +110,29 @@ class Bridge:
 
     def open(self) -> None:
         c = self.config
-        ensure_topic(c.bootstrap_servers, c.topic, overrides=_admin_props(c.kafka))
-        epoch = int(time.time() * 1000)
+        admin = _admin_props(c.kafka)
+        ensure_topic(c.bootstrap_servers, c.topic, overrides=admin)
+        ensure_topic(
+            c.bootstrap_servers,
+            self.checkpoint_topic,
+            partitions=1,
+            overrides=admin,
+            config={"cleanup.policy": "compact"},
+        )
+        if self.exactly_once:
+            # Fences an older bridge with this id and aborts its open transaction, so the
+            # checkpoints read next are the committed ones.
+            self.sink.init_transactions()
+        self.committed = load_checkpoints(
+            c.bootstrap_servers, self.checkpoint_topic, overrides=admin
+        )
+        if self.committed:
+            log.info(
+                "resuming %d streams from checkpoints in %s",
+                len(self.committed),
+                self.checkpoint_topic,
+            )
+        self._epoch = int(time.time() * 1000)
         if c.listen:
             ranks = max((p.dp_size for p in c.pods if p.pub is None), default=1)
             for rank in range(ranks):
@@ -108,30 +154,8 @@ class Bridge:
                 )
         for pod in c.pods:
             for rank in range(pod.dp_size):
-                pub = pod.pub_endpoint(rank)
-                replay = pod.replay_endpoint(rank)
-                where = pub or f"{self.listeners[rank].endpoint} topic {pod.topic}"
-                info = StreamInfo(pod.name, pod.model, rank, where)
-                sub = StreamSubscriber(
-                    self.ctx,
-                    info,
-                    pub,
-                    replay,
-                    pod.topic.encode(),
-                    self._sequencer_config(replay is not None),
-                    epoch,
-                    self.pipeline,
-                    self.registry,
-                    c.rcvhwm,
-                    c.max_message_bytes,
-                    self.pipeline.bad_input,
-                    self.limiter,
-                    self.reconnect,
-                )
-                sub.open()
-                if pub is None:
-                    self.listeners[rank].route(pod.topic, sub)
-                self.streams.append(sub)
+                self.streams.append(self._open_stream(pod, rank))
+                pub, replay = pod.pub_endpoint(rank), pod.replay_endpoint(rank)
                 log.info(
                     "following pod %s rank %d: pub %s, replay %s",
                     pod.name,
@@ -140,6 +164,97 @@ class Bridge:
                     replay or "none (gaps cannot be recovered)",
                 )
 
+    def _open_stream(self, pod: PodConfig, rank: int) -> StreamSubscriber:
+        c = self.config
+        pub = pod.pub_endpoint(rank)
+        replay = pod.replay_endpoint(rank)
+        where = pub or f"{self.listeners[rank].endpoint} topic {pod.topic}"
+        info = StreamInfo(pod.name, pod.model, rank, where)
+        cp = self.committed.get((pod.name, rank))
+        sub = StreamSubscriber(
+            self.ctx,
+            info,
+            pub,
+            replay,
+            pod.topic.encode(),
+            self._sequencer_config(replay is not None),
+            self._epoch if cp is None else cp.epoch,
+            self.pipeline,
+            self.registry,
+            c.rcvhwm,
+            c.max_message_bytes,
+            self.pipeline.bad_input,
+            self.limiter,
+            self.reconnect,
+        )
+        if cp is not None:
+            sub.sequencer.resume(cp.seq, cp.digest)
+            info.written = info.acked = info.delivered = (cp.epoch, cp.seq, None)
+            log.info(
+                "pod %s rank %d: resuming epoch %d after seq %d", pod.name, rank, cp.epoch, cp.seq
+            )
+        sub.open()
+        if pub is None:
+            self.listeners[rank].route(pod.topic, sub)
+        return sub
+
+    # -- checkpoints and transactions ----------------------------------------------------------
+    def _write_checkpoints(self, source: str) -> int:
+        """Produce a checkpoint for every stream whose ``source`` position moved; returns count."""
+        n = 0
+        for s in self.streams:
+            info = s.info
+            pos = getattr(info, source)
+            if pos is None or pos == info.written:
+                continue
+            epoch, seq, payload = pos
+            digest = None if payload is None else payload_digest(payload)
+            cp = Checkpoint(epoch, seq, digest)
+            self.sink.produce(
+                checkpoint_key(info.pod, info.dp_rank), cp.encode(), topic=self.checkpoint_topic
+            )
+            info.written = pos
+            self.committed[(info.pod, info.dp_rank)] = cp
+            n += 1
+        return n
+
+    def _commit(self) -> None:
+        """Exactly-once: checkpoints of what was delivered, then commit, all or nothing."""
+        pending = dict(self.committed)
+        self._write_checkpoints("delivered")
+        while True:
+            try:
+                self.sink.commit(self.config.commit_timeout)
+                self.pipeline.produced = 0
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                self.sink.check_fatal()
+                if err.fatal():
+                    raise
+                if err.txn_requires_abort():
+                    log.warning(
+                        "transaction aborted (%s); rewinding streams to the last commit", err.str()
+                    )
+                    self.committed = pending
+                    self.sink.abort(self.config.commit_timeout)
+                    self._rewind()
+                    return
+                log.warning("commit failed (%s); retrying", err.str())
+                if self.stop.wait(0.5) and not err.retriable():
+                    raise
+
+    def _rewind(self) -> None:
+        """After an aborted transaction: reopen every stream at its last committed checkpoint
+        (vLLM's replay buffer supplies the batches the aborted transaction held)."""
+        pods = {p.name: p for p in self.config.pods}
+        old, self.streams = self.streams, []
+        for s in old:
+            s.close()
+        for s in old:
+            self.streams.append(self._open_stream(pods[s.info.pod], s.info.dp_rank))
+        self.pipeline.produced = 0
+
     def run(self) -> None:
         """The event loop; returns after ``stop`` is set and the producer is flushed."""
         handlers = self.registry.handlers
@@ -147,6 +262,8 @@ class Bridge:
         next_sync = 0.0
         next_scan = 0.0
         max_poll = self.config.poll_timeout
+        c = self.config
+        next_commit = time.monotonic() + (c.commit_interval if self.exactly_once else 1.0)
         try:
             while not self.stop.is_set():
                 now = time.monotonic()
@@ -160,6 +277,15 @@ class Bridge:
                 if now >= next_scan:
                     next_scan = self._fire_timers(now)
                 sink.poll(0)
+                if sink.fatal is not None:
+                    sink.check_fatal()
+                if self.exactly_once:
+                    if now >= next_commit or self.pipeline.produced >= c.commit_max_events:
+                        self._commit()
+                        next_commit = time.monotonic() + c.commit_interval
+                elif now >= next_commit:
+                    self._write_checkpoints("acked")
+                    next_commit = now + c.checkpoint_interval
                 if now >= next_sync:
                     next_sync = now + 1.0
                     self.metrics.producer_queue.set(sink.pending())
@@ -200,22 +326,34 @@ class Bridge:
             self.metrics.internal_errors.labels(pod).inc()
             log.exception("internal error while handling pod %s; continuing", pod)
 
-    def close(self, flush_timeout: float = 30.0) -> None:
+    def close(self) -> None:
+        """Stop reading, then make what was read durable: flush and checkpoint (at-least-once)
+        or checkpoint and commit (exactly-once), within the shutdown timeout."""
+        deadline = time.monotonic() + self.config.shutdown_timeout
         for s in self.streams:
             s.sync_metrics()
             s.close()
-        self.streams.clear()
         for listener in self.listeners:
             listener.close()
         self.listeners.clear()
-        left = self.sink.flush(flush_timeout)
-        if left:
-            log.error(
-                "%d records were not acknowledged by Kafka within %.0fs and are lost",
-                left,
-                flush_timeout,
-            )
-        self.ctx.term()
+        try:
+            if self.sink.fatal is None:
+                if self.exactly_once:
+                    self._commit()
+                else:
+                    self.sink.flush(max(0.0, deadline - time.monotonic()))
+                    self._write_checkpoints("acked")
+            left = self.sink.flush(max(0.0, deadline - time.monotonic()))
+            if left:
+                log.error(
+                    "%d records were not acknowledged by Kafka before the shutdown timeout "
+                    "(%.0fs); the streams resume from their last checkpoint on the next start",
+                    left,
+                    self.config.shutdown_timeout,
+                )
+        finally:
+            self.streams.clear()
+            self.ctx.term()
 
 
 def _raise_fd_limit(wanted: int) -> None:

@@ -53,6 +53,7 @@ Timers fire only in :meth:`StreamSequencer.on_tick`.
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal
@@ -76,6 +77,7 @@ __all__ = [
     "SequencerConfig",
     "StreamSequencer",
     "StreamStarted",
+    "payload_digest",
 ]
 
 # Reasons carried by EventsLost (stable strings: usable as metric labels).
@@ -99,6 +101,11 @@ LOST_REASONS = frozenset(
         LOST_RESTARTED,
     }
 )
+
+
+def payload_digest(payload: bytes) -> bytes:
+    """A short fingerprint of a batch payload, kept in checkpoints to recognise the batch."""
+    return hashlib.blake2b(payload, digest_size=8).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +228,7 @@ class StreamSequencer:
         "_next",
         "_last",
         "_last_payload",
+        "_last_digest",
         "_live_max",
         "_seen_max",
         "_held",
@@ -263,6 +271,7 @@ class StreamSequencer:
         self._next = 0
         self._last: int | None = None
         self._last_payload: bytes | None = None  # a reference, for the reconnect check
+        self._last_digest: bytes | None = None  # instead, after resume(): payload_digest()
         self._live_max: int | None = None
         self._seen_max: int | None = None
         self._held: deque[tuple[int, bytes]] = deque()
@@ -308,6 +317,25 @@ class StreamSequencer:
             return [Deliver(self._epoch, seq, payload, False)]
         return self._on_live_slow(seq, payload, now)
 
+    def resume(self, last_seq: int, digest: bytes | None) -> None:
+        """Continue this epoch after a bridge restart: ``last_seq`` was the last batch written
+        (a checkpoint), ``digest`` its :func:`payload_digest` (None: unknown). Call before any
+        input; the next :meth:`on_connect` replays from ``last_seq`` and checks the publisher's
+        incarnation against ``digest`` like after any reconnect."""
+        self._next = last_seq + 1
+        self._last = self._live_max = self._seen_max = last_seq
+        self._last_payload = None
+        self._last_digest = digest
+        self._started = True  # the epoch was opened by the bridge run that wrote the checkpoint
+        self._sync()
+
+    def _is_last_payload(self, payload: bytes) -> bool:
+        if self._last_payload is not None:
+            return payload == self._last_payload
+        if self._last_digest is not None:
+            return payload_digest(payload) == self._last_digest
+        return True  # nothing to compare with (resumed at a loss marker): assume the same
+
     def on_connect(self, now: float) -> list[Action]:
         """The transport (re)connected: check the incarnation and replay what was missed."""
         out: list[Action] = []
@@ -347,7 +375,7 @@ class StreamSequencer:
             if seq < last:  # not an answer to our request (the ROUTER sends seq >= start)
                 self._n_duplicates_dropped += 1
                 return out
-            if seq == last and payload != self._last_payload:
+            if seq == last and not self._is_last_payload(payload):
                 self._restarted_on_reconnect(out, seq, now)
                 return out
             self._verify = False

@@ -26,11 +26,25 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
     "queue.buffering.max.kbytes": 256 * 1024,
 }
 
+_FENCED_CODES = {
+    getattr(KafkaError, name)
+    for name in ("_FENCED", "PRODUCER_FENCED", "INVALID_PRODUCER_EPOCH")
+    if hasattr(KafkaError, name)
+}
+
 DeliveryFailed = Callable[[bytes | None, bytes | None, KafkaError], None]
 
 
+class Fenced(RuntimeError):
+    """Another bridge with the same transactional id took over; this one must stop."""
+
+
 class KafkaSink:
-    """Produces records; full local queue -> blocks (serving callbacks) instead of dropping."""
+    """Produces records; full local queue -> blocks (serving callbacks) instead of dropping.
+
+    With ``transactional_id`` every record is written inside a transaction, committed by
+    :meth:`commit` (exactly-once mode).
+    """
 
     def __init__(
         self,
@@ -39,12 +53,18 @@ class KafkaSink:
         overrides: dict[str, Any] | None = None,
         on_failure: DeliveryFailed | None = None,
         on_success: Callable[[bytes], None] | None = None,
+        transactional_id: str | None = None,
     ) -> None:
         conf = dict(PRODUCER_DEFAULTS)
         conf.update(overrides or {})
         conf["bootstrap.servers"] = bootstrap_servers
         conf.setdefault("error_cb", self._on_client_error)
+        if transactional_id:
+            conf["transactional.id"] = transactional_id
+            conf.pop("message.timeout.ms", None)  # must not exceed transaction.timeout.ms
         self.topic = topic
+        self.transactional_id = transactional_id
+        self.fatal: KafkaError | None = None
         self._producer = Producer(conf)
         self._on_failure = on_failure
         self._on_success = on_success
@@ -53,14 +73,51 @@ class KafkaSink:
 
     def _on_client_error(self, err: KafkaError) -> None:
         if err.fatal():
+            self.fatal = err
             log.error("kafka producer fatal error: %s", err)
+        elif err.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN):
+            log.warning("kafka: %s (records wait in the producer queue)", err)
         else:
             log.warning("kafka: %s", err)
+
+    def check_fatal(self) -> None:
+        """Raise if the producer hit a fatal error (e.g. fenced by another transactional bridge)."""
+        err = self.fatal
+        if err is None:
+            return
+        if self.transactional_id and err.code() in _FENCED_CODES:
+            raise Fenced(
+                f"fenced: another bridge started with transactional id {self.transactional_id!r} "
+                "and took over; this one stops writing and exits"
+            )
+        raise RuntimeError(f"Kafka producer failed fatally: {err.str()}")
+
+    # -- transactions (exactly-once mode) ------------------------------------------------------
+    def init_transactions(self, timeout: float = 60.0) -> None:
+        """Fence older producers with this id, abort their open transaction, begin ours."""
+        try:
+            self._producer.init_transactions(timeout)
+        except KafkaException as exc:
+            raise RuntimeError(
+                f"could not start transactions (id {self.transactional_id!r}): "
+                f"{exc.args[0].str()}. The broker needs the transaction state log "
+                "(transaction.state.log.replication.factor <= brokers)"
+            ) from exc
+        self._producer.begin_transaction()
+
+    def commit(self, timeout: float = 60.0) -> None:
+        """Commit the open transaction and begin the next; raises KafkaException on failure."""
+        self._producer.commit_transaction(timeout)
+        self._producer.begin_transaction()
+
+    def abort(self, timeout: float = 60.0) -> None:
+        self._producer.abort_transaction(timeout)
+        self._producer.begin_transaction()
 
     def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
         if err is None:
             self.delivered += 1
-            if self._on_success is not None:
+            if self._on_success is not None and msg.topic() == self.topic:
                 self._on_success(msg.key())
             return
         self.failed += 1
@@ -69,16 +126,21 @@ class KafkaSink:
             self._on_failure(msg.key(), msg.value(), err)
 
     def produce(
-        self, key: bytes, value: bytes, on_delivery: Callable[..., None] | None = None
+        self,
+        key: bytes,
+        value: bytes | None,
+        on_delivery: Callable[..., None] | None = None,
+        topic: str | None = None,
     ) -> None:
         """Queue one record; if the local queue is full, wait (backpressure) until it is not."""
         cb = on_delivery or self._on_delivery
         while True:
             try:
-                self._producer.produce(self.topic, value, key, on_delivery=cb)
+                self._producer.produce(topic or self.topic, value, key, on_delivery=cb)
                 return
             except BufferError:
                 self._producer.poll(0.05)
+                self.check_fatal()
 
     def delivery_callback(self) -> Callable[[KafkaError | None, Any], None]:
         return self._on_delivery
@@ -101,6 +163,7 @@ def ensure_topic(
     replication: int = 1,
     timeout: float = 30.0,
     overrides: dict[str, Any] | None = None,
+    config: dict[str, str] | None = None,
 ) -> bool:
     """Create ``topic`` if it does not exist; True if created. Waits until it has leaders."""
     conf = {"bootstrap.servers": bootstrap_servers, **(overrides or {})}
@@ -115,7 +178,8 @@ def ensure_topic(
             "the broker is up"
         ) from exc
     if topic not in md.topics:
-        fut = admin.create_topics([NewTopic(topic, partitions, replication)])[topic]
+        new = NewTopic(topic, partitions, replication, config=config or {})
+        fut = admin.create_topics([new])[topic]
         try:
             fut.result(timeout=timeout)
             created = True
