@@ -201,6 +201,13 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
         help="exactly-once: commit after this many records (10000)",
     )
     g.add_argument(
+        "--rcvhwm",
+        type=int,
+        metavar="N",
+        help="batches ZeroMQ may queue per stream while Kafka is slow (10000); beyond it vLLM "
+        "drops and the bridge recovers by replay. Part of the memory bound (see README)",
+    )
+    g.add_argument(
         "--shutdown-timeout",
         type=parse_duration,
         metavar="DURATION",
@@ -340,6 +347,9 @@ def resolve_run_config(
     cfg.commit_interval = pick("commit_interval", parse_duration)
     cfg.commit_max_events = pick("commit_max_events", int)
     cfg.shutdown_timeout = pick("shutdown_timeout", parse_duration)
+    cfg.rcvhwm = pick("rcvhwm", int)
+    if cfg.rcvhwm < 1:
+        raise ConfigError(f"rcvhwm={cfg.rcvhwm}: must be >= 1")
     if cfg.commit_max_events < 1 or cfg.commit_interval <= 0 or cfg.checkpoint_interval <= 0:
         raise ConfigError("commit_max_events, commit_interval, checkpoint_interval must be > 0")
     cfg.poll_timeout = pick("poll_timeout", parse_duration)

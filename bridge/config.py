@@ -151,7 +151,7 @@ class BridgeConfig:
     commit_max_events: int = 10_000
     commit_timeout: float = 60.0
     shutdown_timeout: float = 30.0
-    rcvhwm: int = 100_000
+    rcvhwm: int = 10_000  # batches ZeroMQ may queue per stream while Kafka is slow
     max_message_bytes: int = 64 * 1024 * 1024
     kafka: dict[str, str] = field(default_factory=dict)  # librdkafka properties passed through
 

@@ -22,8 +22,9 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
     "message.timeout.ms": 0,
     "linger.ms": 5,
     "compression.type": "lz4",
-    "queue.buffering.max.messages": 200_000,
-    "queue.buffering.max.kbytes": 256 * 1024,
+    # The producer's share of the memory bound: beyond it the bridge stops reading its sockets.
+    "queue.buffering.max.messages": 100_000,
+    "queue.buffering.max.kbytes": 64 * 1024,
 }
 
 _FENCED_CODES = {
