@@ -58,6 +58,7 @@ class Bridge:
         )
         self.checkpoint_topic = config.checkpoint_topic or f"{config.topic}.checkpoints"
         self.committed: dict[tuple[str, int], Checkpoint] = {}
+        self._in_transaction = False
         self._lost_reported: set[tuple[str, int, int, int]] = set()
         self.streams: list[StreamSubscriber] = []
         self.listeners: list[SharedListener] = []
@@ -123,6 +124,7 @@ class Bridge:
             # Fences an older bridge with this id and aborts its open transaction, so the
             # checkpoints read next are the committed ones.
             self.sink.init_transactions()
+            self._in_transaction = True
         self.committed = load_checkpoints(
             c.bootstrap_servers, self.checkpoint_topic, overrides=admin
         )
@@ -338,9 +340,9 @@ class Bridge:
         self.listeners.clear()
         try:
             if self.sink.fatal is None:
-                if self.exactly_once:
+                if self._in_transaction:
                     self._commit()
-                else:
+                elif not self.exactly_once:
                     self.sink.flush(max(0.0, deadline - time.monotonic()))
                     self._write_checkpoints("acked")
             left = self.sink.flush(max(0.0, deadline - time.monotonic()))
