@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from bridge.config import ConfigError, env_settings
+from bridge.cliargs import add_kafka_args, kafka_target
+from bridge.config import ConfigError
 from bridge.jsonview import event_to_json
 from bridge.markers import (
     MARKER_TYPES,
@@ -877,19 +878,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     if p.description is None:
         p.description = DESCRIPTION
         p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument(
-        "--bootstrap-servers",
-        metavar="HOST:PORT",
-        help="Kafka bootstrap servers (env KVBRIDGE_BOOTSTRAP_SERVERS; default localhost:9092)",
-    )
-    p.add_argument("--topic", help="topic to check (env KVBRIDGE_TOPIC; default kv-events)")
-    p.add_argument(
-        "--kafka-property",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="any librdkafka consumer property, e.g. security.protocol=SASL_SSL (repeatable)",
-    )
+    add_kafka_args(p, "topic to check")
     p.add_argument(
         "--allow-duplicates",
         action="store_true",
@@ -931,22 +920,9 @@ class _Progress:
             self.stream.flush()
 
 
-def _properties(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep or not k.strip():
-            raise ConfigError(f"--kafka-property {item!r}: expected KEY=VALUE")
-        out[k.strip()] = v.strip()
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     """`kvbridge check`: 0 if the topic is sound, 1 if not."""
-    env = env_settings()
-    bootstrap = args.bootstrap_servers or env.get("bootstrap_servers") or "localhost:9092"
-    topic = args.topic or env.get("topic") or "kv-events"
-    overrides = _properties(args.kafka_property)
+    bootstrap, topic, overrides = kafka_target(args)
     sent = None
     if args.expect_sent:
         sent = load_sent_log(args.expect_sent)

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from bridge import __version__
+from bridge.cliargs import add_kafka_args, kafka_target, kv_pairs
 from bridge.config import (
     BridgeConfig,
     ConfigError,
@@ -38,35 +39,9 @@ state from any offset or time.
 """
 
 
-def _kafka_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--bootstrap-servers",
-        metavar="HOST:PORT",
-        help="Kafka bootstrap servers (env KVBRIDGE_BOOTSTRAP_SERVERS; default localhost:9092)",
-    )
-    p.add_argument("--topic", help="topic of the events (env KVBRIDGE_TOPIC; default kv-events)")
-    p.add_argument(
-        "--kafka-property",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="any librdkafka property, e.g. security.protocol=SASL_SSL (repeatable)",
-    )
-
-
 def _log_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"])
-
-
-def _kv_pairs(items: list[str], what: str) -> dict[str, str]:
-    out = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise ConfigError(f"{what} {item!r}: expected KEY=VALUE")
-        out[k.strip()] = v.strip()
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +73,7 @@ replay=, gaps cannot be recovered and are written as EventsLost markers.
 SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     run.add_argument("--config", metavar="FILE", help="TOML settings file")
-    _kafka_args(run)
+    add_kafka_args(run)
     run.add_argument("--pod", action="append", default=[], metavar="SPEC", help="a pod to follow")
     run.add_argument(
         "--listen",
@@ -248,7 +223,7 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
         ("replay", "rebuild per-pod cache state from the topic and print it"),
     ):
         p = sub.add_parser(name, help=helptext, description=helptext)
-        _kafka_args(p)
+        add_kafka_args(p)
         where = p.add_mutually_exclusive_group()
         where.add_argument(
             "--from-beginning", action="store_true", help="start at the beginning (default)"
@@ -389,7 +364,7 @@ def resolve_run_config(
     if dupes:
         raise ConfigError(f"pod names must be unique; repeated: {', '.join(dupes)}")
     cfg.kafka = {str(k): str(v) for k, v in file.get("kafka", {}).items()}
-    cfg.kafka.update(_kv_pairs(args.kafka_property, "--kafka-property"))
+    cfg.kafka.update(kv_pairs(args.kafka_property, "--kafka-property"))
     return cfg
 
 
@@ -452,9 +427,7 @@ def _parse_time(text: str) -> int:
 def _reader_args(args: argparse.Namespace) -> tuple[Any, Any]:
     from bridge.consumer import StartAt, TopicReader
 
-    env = env_settings()
-    bootstrap = args.bootstrap_servers or env.get("bootstrap_servers") or "localhost:9092"
-    topic = args.topic or env.get("topic") or "kv-events"
+    bootstrap, topic, overrides = kafka_target(args)
     if args.from_offset is not None:
         if args.partition is None:
             raise ConfigError("--from-offset needs --partition (offsets are per partition)")
@@ -465,7 +438,7 @@ def _reader_args(args: argparse.Namespace) -> tuple[Any, Any]:
         start = StartAt("end")
     else:
         start = StartAt("beginning")
-    reader = TopicReader(bootstrap, topic, _kv_pairs(args.kafka_property, "--kafka-property"))
+    reader = TopicReader(bootstrap, topic, overrides)
     return reader, start
 
 
