@@ -107,9 +107,22 @@ class KafkaSink:
         self._producer.begin_transaction()
 
     def commit(self, timeout: float = 60.0) -> None:
-        """Commit the open transaction and begin the next; raises KafkaException on failure."""
-        self._producer.commit_transaction(timeout)
+        """Commit the open transaction and begin the next; raises KafkaException on failure
+        (Fenced when another bridge took the transactional id over)."""
+        try:
+            self._producer.commit_transaction(timeout)
+        except KafkaException as exc:
+            self._raise_if_fatal(exc)
+            raise
         self._producer.begin_transaction()
+
+    def _raise_if_fatal(self, exc: KafkaException) -> None:
+        """After a failed call: raise Fenced/RuntimeError if the producer is now unusable."""
+        self._producer.poll(0)  # error_cb reports the underlying fatal error (e.g. _FENCED)
+        err = exc.args[0] if exc.args else None
+        if self.fatal is None and isinstance(err, KafkaError) and err.fatal():
+            self.fatal = err
+        self.check_fatal()
 
     def abort(self, timeout: float = 60.0) -> None:
         self._producer.abort_transaction(timeout)
@@ -142,6 +155,9 @@ class KafkaSink:
             except BufferError:
                 self._producer.poll(0.05)
                 self.check_fatal()
+            except KafkaException as exc:
+                self._raise_if_fatal(exc)
+                raise
 
     def delivery_callback(self) -> Callable[[KafkaError | None, Any], None]:
         return self._on_delivery
