@@ -38,6 +38,7 @@ from bridge.cliargs import add_kafka_args, kafka_target
 from bridge.config import ConfigError
 from bridge.jsonview import event_to_json
 from bridge.markers import (
+    KAFKA_REFUSED,
     MARKER_TYPES,
     EventsLost,
     Marker,
@@ -333,12 +334,12 @@ class _Epoch:
         e = self.epoch
         spans = list(self.batches.intervals())
         prev_end = -1
-        for lo, hi, _ in sorted(lost):
+        for lo, hi, reason in sorted(lost):
             if lo <= prev_end:
                 problems.append(f"epoch {e}: {_seqs(lo, min(hi, prev_end))} reported lost twice")
             prev_end = max(prev_end, hi)
             both = self.batches.overlapping(lo, hi)
-            if both:
+            if both and not reason.startswith(KAFKA_REFUSED):  # a partly written batch is fine
                 which = ", ".join(_seqs(a, b) for a, b in both)
                 problems.append(f"epoch {e}: {which} delivered and also reported lost")
             spans.append((lo, hi))

@@ -22,6 +22,11 @@ class PublisherRestarted:
     first_seq: int
 
 
+# EventsLost reason prefix for a batch some of whose records Kafka refused for good: its other
+# records may be in the log, so this marker may cover a partly delivered batch.
+KAFKA_REFUSED = "kafka refused a record"
+
+
 @dataclass(slots=True, frozen=True)
 class EventsLost:
     from_seq: int

@@ -13,7 +13,7 @@ from confluent_kafka import KafkaException
 from bridge.checkpoints import Checkpoint, checkpoint_key, load_checkpoints
 from bridge.config import BridgeConfig, PodConfig, offset_port
 from bridge.listener import SharedListener
-from bridge.markers import EventsLost
+from bridge.markers import KAFKA_REFUSED, EventsLost
 from bridge.metrics import BridgeMetrics
 from bridge.pipeline import Pipeline, StreamInfo
 from bridge.records import RecordCodec
@@ -93,7 +93,7 @@ class Bridge:
         if env.index < 0 or stream is None or ident in self._lost_reported:
             return
         self._lost_reported.add(ident)
-        reason = f"kafka refused a record: {getattr(err, 'str', lambda: err)()}"[:500]
+        reason = f"{KAFKA_REFUSED}: {getattr(err, 'str', lambda: err)()}"[:500]
         self.pipeline.marker(stream.info, env.epoch, env.seq, EventsLost(env.seq, env.seq, reason))
 
     def _stream_count(self) -> int:

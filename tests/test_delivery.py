@@ -602,3 +602,44 @@ def test_sigterm_flushes_and_checkpoints(kafka_bootstrap, make_topic, tmp_path, 
     if exactly_once:
         assert report.duplicates == 0, summary
     assert dict(report.markers) == {"StreamStarted": 3}, summary
+
+
+def test_a_record_kafka_refuses_becomes_events_lost(kafka_bootstrap, make_topic):
+    """A record the broker refuses for good is written as EventsLost for its batch, never a hole."""
+    from bridge_util import metric, running_bridge
+
+    from bridge.config import PodConfig
+    from bridge.markers import EventsLost
+
+    # Records over 600 bytes are refused by the topic; the markers that replace them are smaller.
+    topic = make_topic(partitions=1, config={"max.message.bytes": "600"})
+    spec = PodSpec(
+        name="big", release="0.33.0", rate=100, batches=40, seed=5, wait_for_subscriber=True
+    )
+    with SimulatedFleet(spec) as fleet:
+        pods = [PodConfig("big", "m", fleet.pods[0].pub, fleet.pods[0].replay)]
+        # One record per produce request, so the broker judges each record on its own size.
+        one_by_one = {"batch.num.messages": "1", "compression.type": "none"}
+        with running_bridge(kafka_bootstrap, topic, pods, kafka=one_by_one) as bridge:
+            fleet.wait_done(timeout=30)
+            wait_for(
+                lambda: metric(bridge, "kvbridge_produce_errors_total", pod="big") > 0,
+                30,
+                "a refused record",
+            )
+            sent = fleet.sent()
+
+            def accounted() -> bool:
+                report = check_topic(kafka_bootstrap, topic, sent=sent)
+                return report.ok and report
+
+            try:
+                report = wait_for(accounted, 60, "every batch delivered or reported lost")
+            except AssertionError:
+                details = check_topic(kafka_bootstrap, topic, sent=sent).details()
+                raise AssertionError("\n".join(details[:15])) from None
+    lost = [
+        r.event for r in read_records(kafka_bootstrap, topic) if isinstance(r.event, EventsLost)
+    ]
+    assert lost and all(e.reason.startswith("kafka refused a record") for e in lost)
+    assert report.lost_batches == len({e.from_seq for e in lost})
