@@ -82,7 +82,8 @@ class Bridge:
         """Kafka refused a record for good: write that batch as lost, once, so it is not silent."""
         pod = (key or b"?").decode(errors="replace")
         self.metrics.produce_errors.labels(pod).inc()
-        if value is None:
+        if value is None or self.exactly_once or self.sink.fatal is not None:
+            # Exactly-once: the transaction aborts and the streams rewind, nothing is lost.
             return
         try:
             env = self.codec.decode(value).envelope
@@ -339,6 +340,7 @@ class Bridge:
             listener.close()
         self.listeners.clear()
         try:
+            self.sink.poll(0)  # learn of a fatal error (fencing) before committing
             if self.sink.fatal is None:
                 if self._in_transaction:
                     self._commit()

@@ -86,10 +86,18 @@ class KafkaSink:
         err = self.fatal
         if err is None:
             return
-        if self.transactional_id and err.code() in _FENCED_CODES:
+        if self.transactional_id and (err.code() in _FENCED_CODES or "fenced" in err.str().lower()):
             raise Fenced(
                 f"fenced: another bridge started with transactional id {self.transactional_id!r} "
                 "and took over; this one stops writing and exits"
+            )
+        if self.transactional_id and err.code() == KafkaError._FATAL:
+            # librdkafka does not always say why; for a transactional producer it is nearly
+            # always fencing (its own log line above names the cause).
+            raise Fenced(
+                f"fenced or fatally failed: the transactional producer (id "
+                f"{self.transactional_id!r}) can no longer write, most likely because another "
+                f"bridge with this id took over ({err.str()}); exiting"
             )
         raise RuntimeError(f"Kafka producer failed fatally: {err.str()}")
 
@@ -118,10 +126,15 @@ class KafkaSink:
 
     def _raise_if_fatal(self, exc: KafkaException) -> None:
         """After a failed call: raise Fenced/RuntimeError if the producer is now unusable."""
-        self._producer.poll(0)  # error_cb reports the underlying fatal error (e.g. _FENCED)
         err = exc.args[0] if exc.args else None
-        if self.fatal is None and isinstance(err, KafkaError) and err.fatal():
-            self.fatal = err
+        if isinstance(err, KafkaError) and (err.fatal() or err.code() == KafkaError._FATAL):
+            # error_cb reports the underlying fatal error (e.g. _FENCED) from a poll
+            for _ in range(20):
+                if self.fatal is not None:
+                    break
+                self._producer.poll(0.05)
+            if self.fatal is None:
+                self.fatal = err
         self.check_fatal()
 
     def abort(self, timeout: float = 60.0) -> None:
@@ -135,6 +148,8 @@ class KafkaSink:
                 self._on_success(msg.key())
             return
         self.failed += 1
+        if err.code() in _FENCED_CODES and self.transactional_id and self.fatal is None:
+            self.fatal = err
         log.error("kafka delivery failed for key %r: %s", msg.key(), err)
         if self._on_failure is not None:
             self._on_failure(msg.key(), msg.value(), err)
