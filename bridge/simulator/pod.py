@@ -647,6 +647,9 @@ class SimulatedFleet:
         if len(set(names)) != len(names):
             raise ValueError(f"pod names must be unique, got {names}")
         self.context = zmq.Context()
+        # PUB + ROUTER + monitor sockets per rank: lift libzmq's default limit of 1023.
+        ranks = sum(spec.dp_size for spec in specs)
+        self.context.set(zmq.MAX_SOCKETS, max(1024, 6 * ranks + 64))
         self.log = SentLog(sent_log, keep=keep_records)
         self.stop_event = threading.Event()
         self._start = start

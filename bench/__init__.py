@@ -1,0 +1,4 @@
+"""kvbridge's benchmark suite: ``python -m bench --help`` (see bench/README.md).
+
+Measurement only: nothing here asserts a speed.
+"""

@@ -1,0 +1,297 @@
+"""Child processes of a run: simulated pods, the bridge, the naive loop; free ports.
+
+Each child's output goes to a log file in the run's work directory; its pid is used for
+/proc accounting and for pausing it (SIGSTOP/SIGCONT) while a backlog builds up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.request import urlopen
+
+from bench import procstat
+
+REPO = Path(__file__).resolve().parent.parent
+
+__all__ = [
+    "BridgeProc",
+    "FeederProc",
+    "NaiveProc",
+    "Proc",
+    "SimProc",
+    "free_port",
+    "free_port_block",
+    "wait",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+def free_port_block(n: int) -> int:
+    """A base port such that base .. base+n-1 are free on 127.0.0.1 right now.
+
+    Taken from 10000-20000: below the kernel's ephemeral range (where outgoing connections,
+    e.g. to Kafka, get their local ports) and below the simulator's own automatic ports.
+    """
+    hi = min(20_000, _ephemeral_low()) - n
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10_000, max(10_001, hi))
+        ok = True
+        for port in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError(f"found no block of {n} free ports on 127.0.0.1")
+
+
+def wait(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``cond`` until truthy; TimeoutError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Proc:
+    """A child process with its output in ``log_path``."""
+
+    def __init__(self, argv: list[str], log_path: Path, stdin: int | None = None) -> None:
+        self.argv = argv
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
+        self.p = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            stdin=subprocess.DEVNULL if stdin is None else stdin,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+        self.pid = self.p.pid
+        self._paused = False
+
+    def output(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def tail(self, lines: int = 15) -> str:
+        return "\n".join(self.output().splitlines()[-lines:])
+
+    def check_alive(self, what: str) -> None:
+        if self.p.poll() is not None:
+            raise RuntimeError(
+                f"{what} exited with code {self.p.returncode}; last output:\n{self.tail()}"
+            )
+
+    def cpu(self) -> float:
+        return procstat.cpu_seconds(self.pid)
+
+    def memory(self) -> dict[str, int]:
+        return procstat.memory_bytes(self.pid)
+
+    def pause(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+        self._paused = False
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.p.poll() is None:
+            if self._paused:
+                self.resume()
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self._log.close()
+        return self.p.returncode
+
+
+class SimProc(Proc):
+    """`python -m bridge simulate` with a sent-log: counts the batches sent so far."""
+
+    def __init__(self, args: list[str], workdir: Path, tag: str) -> None:
+        self.sent_log = workdir / f"{tag}-sent.jsonl"
+        argv = [sys.executable, "-m", "bridge", "simulate", *args, "--sent-log", str(self.sent_log)]
+        super().__init__(argv, workdir / f"{tag}-sim.log")
+        self._fh: Any = None
+        self._lines = 0
+
+    def sent_batches(self) -> int:
+        """Batches in the sent-log so far (one JSON line each), read incrementally."""
+        if self._fh is None:
+            try:
+                self._fh = open(self.sent_log, "rb")  # noqa: SIM115 (closed in stop())
+            except FileNotFoundError:
+                return 0
+        self._lines += self._fh.read().count(b"\n")
+        return self._lines
+
+    def sent_events(self) -> int:
+        """Events in the sent-log: one ``{"type":"`` per event in its compact JSON lines."""
+        with open(self.sent_log, "rb") as f:
+            return f.read().count(b'{"type":"')
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        return super().stop(timeout)
+
+
+class BridgeProc(Proc):
+    """`python -m bridge run` following ``pods`` (name, pub, replay), /metrics on a free port."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        pods: list[tuple[str, str, str | None]],
+        workdir: Path,
+        tag: str,
+        model: str = "bench-model",
+        extra: list[str] | None = None,
+    ) -> None:
+        config = workdir / f"{tag}-bridge.toml"
+        lines = []
+        for name, pub, replay in pods:
+            lines += ["[[pods]]", f"name = {json.dumps(name)}", f"model = {json.dumps(model)}"]
+            lines.append(f"pub = {json.dumps(pub)}")
+            if replay:
+                lines.append(f"replay = {json.dumps(replay)}")
+        config.write_text("\n".join(lines) + "\n")
+        self.metrics_port = free_port()
+        self.pods = len(pods)
+        argv = [sys.executable, "-m", "bridge", "run", "--config", str(config)]
+        argv += ["--bootstrap-servers", bootstrap, "--topic", topic]
+        argv += ["--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1"]
+        argv += ["--log-level", "info", *(extra or [])]
+        super().__init__(argv, workdir / f"{tag}-bridge.log")
+
+    def wait_running(self, timeout: float = 60.0) -> None:
+        """Until the bridge opened every stream (its "bridge running" log line)."""
+
+        def running() -> bool:
+            self.check_alive("the bridge")
+            return "bridge running" in self.output()
+
+        wait(running, timeout, "the bridge to open its streams", 0.1)
+
+    def connected(self) -> int:
+        """Streams whose SUB socket connected (the bridge logs each connection)."""
+        return self.output().count(": connected to ")
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples summed over pods, plus ``name{label="value"}`` for type/outcome."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text.decode()):
+            for s in family.samples:
+                if s.name.endswith("_created") or not s.name.startswith("kvbridge_"):
+                    continue
+                out[s.name] = out.get(s.name, 0.0) + s.value
+                for label in ("type", "outcome", "reason", "source"):
+                    if label in s.labels:
+                        key = f'{s.name}{{{label}="{s.labels[label]}"}}'
+                        out[key] = out.get(key, 0.0) + s.value
+        return out
+
+
+class NaiveProc(Proc):
+    """`python -m bench.naive`: prints READY once subscribed, a JSON summary when done."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        pods: list[tuple[str, str]],
+        batches_per_pod: int,
+        workdir: Path,
+        tag: str,
+    ) -> None:
+        pods_file = workdir / f"{tag}-naive-pods.json"
+        pods_file.write_text(json.dumps([{"name": n, "pub": p} for n, p in pods]))
+        argv = [sys.executable, "-m", "bench.naive", "--bootstrap-servers", bootstrap]
+        argv += ["--topic", topic, "--pods-file", str(pods_file)]
+        argv += ["--batches", str(batches_per_pod)]
+        # stdin stays open: the naive loop waits for EOF before exiting, so that its /proc
+        # entry (CPU time, peak RSS) can still be read once it is done.
+        super().__init__(argv, workdir / f"{tag}-naive.log", stdin=subprocess.PIPE)
+
+    def ready(self) -> bool:
+        self.check_alive("the naive loop")
+        return "READY" in self.output()
+
+    def summary(self) -> dict[str, Any] | None:
+        for line in self.output().splitlines():
+            if line.startswith("{"):
+                return json.loads(line)
+        return None
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.p.stdin is not None and not self.p.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):
+                self.p.stdin.close()
+        return super().stop(timeout)
+
+
+class FeederProc(Proc):
+    """`python -m bench.feeder`: READY once every pod has a subscriber, DONE <json> when sent."""
+
+    def __init__(
+        self, workload: dict[str, Any], base_port: int, rate: float, workdir: Path, tag: str
+    ) -> None:
+        argv = [sys.executable, "-m", "bench.feeder", "--workload-json", json.dumps(workload)]
+        argv += ["--base-port", str(base_port), "--rate", f"{rate:.6g}"]
+        super().__init__(argv, workdir / f"{tag}-feeder.log")
+
+    def ready(self) -> bool:
+        self.check_alive("the feeder")
+        return "READY" in self.output()
+
+    def done(self) -> dict[str, Any] | None:
+        for line in self.output().splitlines():
+            if line.startswith("DONE "):
+                return json.loads(line[5:])
+        return None

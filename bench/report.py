@@ -1,0 +1,299 @@
+"""The results document (JSON) and its rendering as tables.
+
+Top-level keys of the JSON document (``SCHEMA_VERSION`` 1):
+
+``bench``       {"schema_version", "mode", "started", "finished", "seconds", "command"}
+``machine``     {"cpus", "platform", "python", "loadavg_start", "loadavg_end"}
+``settings``    the options of the run (pod counts, sizes, seed, ...)
+``workload``    what the payloads contain (:func:`bench.workload.describe`) and their config
+``ceiling``     list of ceiling results (:func:`bench.ceiling.run_ceiling`)
+``naive``       drain result of the naive loop (:func:`bench.e2e.drain_run`; the median of
+                the repeats, each listed under "repeats"), or {"skipped": ...} / {"error": ...}
+``bridge``      {"warmup": drain result, "scaling": [drain results by pod count; the
+                reference pod count is the median of its repeats], "latency": [latency results
+                (:func:`bench.e2e.latency_run`)]}
+``ratios``      list of {"name", "value", "numerator", "denominator"} measured in this run
+``notes``       list of strings (what was skipped and why, caveats)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+TOP_KEYS = ("bench", "machine", "settings", "workload", "ceiling", "naive", "bridge", "ratios")
+CEILING_KEYS = ("label", "events", "payload_bytes", "seconds", "events_per_s", "mb_per_s")
+CEILING_KEYS += ("cpu_us_per_event", "decode_cpu_us_per_event", "encode_cpu_us_per_event")
+DRAIN_KEYS = ("target", "pods", "events", "seconds", "events_per_s", "mb_per_s")
+DRAIN_KEYS += ("cpu_us_per_event", "cores", "rss_mb", "peak_rss_mb", "complete")
+LATENCY_KEYS = ("pods", "load", "target_events_per_s", "achieved_events_per_s", "samples")
+LATENCY_KEYS += ("p50_ms", "p99_ms", "p999_ms")
+RATIO_KEYS = ("name", "value", "numerator", "denominator")
+
+__all__ = ["SCHEMA_VERSION", "compute_ratios", "render", "save", "validate"]
+
+
+def _ok(entry: Any) -> bool:
+    return isinstance(entry, dict) and "error" not in entry and "skipped" not in entry
+
+
+def _ratio(name: str, num: Any, den: Any, num_label: str, den_label: str) -> dict[str, Any]:
+    value = None
+    if isinstance(num, int | float) and isinstance(den, int | float) and den:
+        value = round(num / den, 3)
+    return {"name": name, "value": value, "numerator": num_label, "denominator": den_label}
+
+
+def compute_ratios(doc: dict[str, Any], ref_pods: int) -> list[dict[str, Any]]:
+    """bridge/ceiling and bridge/naive, for events/s and CPU per event, from this document."""
+    ceiling = next((c for c in doc.get("ceiling", []) if c.get("same_payloads_as_e2e")), None)
+    bridge = next(
+        (r for r in doc.get("bridge", {}).get("scaling", []) if _ok(r) and r["pods"] == ref_pods),
+        None,
+    )
+    naive = doc.get("naive")
+    if bridge is None:
+        return []
+    b_label = f"bridge, {ref_pods} pods"
+    out = []
+    if ceiling is not None:
+        c_label = f"ceiling ({ceiling['label']})"
+        out.append(
+            _ratio(
+                "bridge/ceiling events/s",
+                bridge["events_per_s"],
+                ceiling["events_per_s"],
+                b_label,
+                c_label,
+            )
+        )
+        out.append(
+            _ratio(
+                "bridge/ceiling CPU per event",
+                bridge["cpu_us_per_event"],
+                ceiling["cpu_us_per_event"],
+                b_label,
+                c_label,
+            )
+        )
+    if _ok(naive):
+        n_label = f"naive loop, {naive['pods']} pods"
+        out.append(
+            _ratio(
+                "bridge/naive events/s",
+                bridge["events_per_s"],
+                naive["events_per_s"],
+                b_label,
+                n_label,
+            )
+        )
+        out.append(
+            _ratio(
+                "bridge/naive CPU per event",
+                bridge["cpu_us_per_event"],
+                naive["cpu_us_per_event"],
+                b_label,
+                n_label,
+            )
+        )
+    return out
+
+
+def validate(doc: dict[str, Any]) -> list[str]:
+    """Structural problems of a results document (empty list: well-formed)."""
+    problems = []
+    for key in TOP_KEYS:
+        if key not in doc:
+            problems.append(f"missing top-level key {key!r}")
+    if doc.get("bench", {}).get("schema_version") != SCHEMA_VERSION:
+        problems.append("bench.schema_version is not 1")
+
+    def check(entry: Any, keys: tuple[str, ...], where: str) -> None:
+        if not isinstance(entry, dict):
+            problems.append(f"{where}: not an object")
+            return
+        if "skipped" in entry or "error" in entry:
+            return
+        for k in keys:
+            if k not in entry:
+                problems.append(f"{where}: missing {k!r}")
+
+    for i, c in enumerate(doc.get("ceiling", [])):
+        check(c, CEILING_KEYS, f"ceiling[{i}]")
+    if "naive" in doc:
+        check(doc["naive"], DRAIN_KEYS, "naive")
+    bridge = doc.get("bridge", {})
+    if not isinstance(bridge, dict) or not {"scaling", "latency"} <= set(bridge):
+        problems.append("bridge: expected {'scaling': [...], 'latency': [...]}")
+    else:
+        for i, r in enumerate(bridge["scaling"]):
+            check(r, DRAIN_KEYS, f"bridge.scaling[{i}]")
+        for i, r in enumerate(bridge["latency"]):
+            check(r, LATENCY_KEYS, f"bridge.latency[{i}]")
+    for i, r in enumerate(doc.get("ratios", [])):
+        check(r, RATIO_KEYS, f"ratios[{i}]")
+    try:
+        json.dumps(doc, allow_nan=False)
+    except ValueError as exc:
+        problems.append(f"not strict JSON: {exc}")
+    return problems
+
+
+def save(doc: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.{digits if abs(value) >= 10 else 2}f}"
+    return str(value)
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
+    cells = [[_fmt(v) if not isinstance(v, str) else v for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = "  ".join(
+        h.ljust(w) if i == 0 else h.rjust(w)
+        for i, (h, w) in enumerate(zip(headers, widths, strict=True))
+    )
+    out = [line, "  ".join("-" * w for w in widths)]
+    for r in cells:
+        out.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
+    return out
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The human-readable report: throughput, latency, ratios, notes."""
+    b = doc["bench"]
+    m = doc["machine"]
+    lines = [
+        f"kvbridge benchmark ({b['mode']}): {m['cpus']} CPUs, {m['platform']}, Python "
+        f"{m['python']}, {b['seconds']:.0f} s, load average {m['loadavg_start']} at start",
+    ]
+    w = doc.get("workload", {})
+    if w:
+        share = w.get("share_by_type", {})
+        lines.append(
+            f"workload: {w.get('label', '')}; {w.get('events_per_batch')} events/batch, "
+            f"{w.get('bytes_per_batch')} payload bytes/batch; "
+            + ", ".join(f"{k} {v:.1%}" for k, v in share.items())
+            + f"; BlockStored {w.get('stored_blocks_min')}-{w.get('stored_blocks_max')} blocks "
+            f"(mean {w.get('stored_blocks_mean')}) of {w.get('tokens_per_block')} tokens"
+        )
+    lines += ["", "Throughput (ceiling: in-process; others: backlog drained into Kafka, acked)"]
+    headers = ["run", "pods", "events", "ev/batch", "seconds", "events/s", "MB/s", "CPU µs/ev"]
+    headers += ["cores"]
+    headers += ["idle MB", "RSS MB", "peak MB", "other cores", "complete"]
+    rows: list[list[Any]] = []
+    for c in doc.get("ceiling", []):
+        rows.append(
+            [f"ceiling: {c['label']}", "-", c["events"], c["events"] / c["batches"]]
+            + [f"{c['seconds']:.2f}", c["events_per_s"]]
+            + [c["mb_per_s"], c["cpu_us_per_event"], "1.00", "-", "-", "-", "-", "-"]
+        )
+
+    problems: list[str] = []
+
+    def drain_row(name: str, r: dict[str, Any]) -> list[Any]:
+        if "skipped" in r or "error" in r:
+            kind = "skipped" if "skipped" in r else "failed"
+            problems.append(f"{name}, {r.get('pods', '?')} pods: {r.get(kind, r.get('error'))}")
+            return [name, r.get("pods", "-"), kind] + [""] * 11
+        return [
+            name,
+            r["pods"],
+            r["events"],
+            r.get("mix", {}).get("events_per_batch"),
+            f"{r['seconds']:.2f}",
+            r["events_per_s"],
+            r["mb_per_s"],
+            r["cpu_us_per_event"],
+            r["cores"],
+            r.get("rss_idle_mb"),
+            r["rss_mb"],
+            r["peak_rss_mb"],
+            r.get("other_cores"),
+            r["complete"],
+        ]
+
+    naive = doc.get("naive")
+    if isinstance(naive, dict):
+        rows.append(drain_row("naive loop", naive))
+    for r in doc.get("bridge", {}).get("scaling", []):
+        rows.append(drain_row("bridge", r))
+    lines += _table(headers, rows)
+    lines += [f"  {p}" for p in problems]
+
+    lat = doc.get("bridge", {}).get("latency", [])
+    if lat:
+        pods = next((r["pods"] for r in lat if "pods" in r), "?")
+        source = next((r["source"] for r in lat if "source" in r), "?")
+        lines += [
+            "",
+            f"Latency, bridge, {pods} pods ({source}): vLLM batch ts -> consumer receives the "
+            "record (ms; 'to producer': ts -> the bridge hands it to the Kafka producer)",
+        ]
+        headers = ["load", "target ev/s", "achieved ev/s", "samples", "p50 ms", "p99 ms"]
+        headers += ["p99.9 ms", "to producer p50/p99", "bridge cores", "pods cores"]
+        headers += ["broker cores", "other cores", "complete"]
+        rows = []
+        lat_problems: list[str] = []
+        for r in lat:
+            if "skipped" in r or "error" in r:
+                kind = "skipped" if "skipped" in r else "failed"
+                lat_problems.append(f"{r.get('load', 0):.0%}: {r.get(kind, r.get('error'))}")
+                rows.append([f"{r.get('load', 0):.0%}", kind] + [""] * 11)
+                continue
+            rows.append(
+                [
+                    f"{r['load']:.0%}",
+                    r["target_events_per_s"],
+                    r["achieved_events_per_s"],
+                    r["samples"],
+                    r["p50_ms"],
+                    r["p99_ms"],
+                    r["p999_ms"],
+                    f"{_fmt(r.get('to_producer_p50_ms'))}/{_fmt(r.get('to_producer_p99_ms'))}",
+                    r.get("bridge_cores"),
+                    r.get("pods_cores"),
+                    r.get("broker_cores"),
+                    r.get("other_cores"),
+                    r.get("complete"),
+                ]
+            )
+        lines += _table(headers, rows)
+        lines += [f"  {p}" for p in lat_problems]
+
+    ratios = doc.get("ratios", [])
+    if ratios:
+        lines += ["", "Ratios (measured side by side in this run)"]
+        rows = [
+            [r["name"], "-" if r["value"] is None else f"{r['value']:.2f}", r["numerator"]]
+            + [r["denominator"]]
+            for r in ratios
+        ]
+        lines += _table(["ratio", "value", "numerator", "denominator"], rows)
+    notes = doc.get("notes", [])
+    if notes:
+        lines += ["", "Notes:"] + [f"- {n}" for n in notes]
+    return "\n".join(lines)
