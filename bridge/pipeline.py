@@ -113,21 +113,27 @@ class Pipeline:
                 m.unknown_events.labels(stream.pod, event.tag[:64]).inc()
             self._count_event(stream.pod, type(event).__name__)
             if index == last and self.track_acks:
-                produce(key, encode(env, event), self._on_acked(stream, position))
+                produce(key, encode(env, event), self._on_acked(stream, position, batch.ts))
             else:
                 produce(key, encode(env, event))
         self.produced += len(events)
         stream.delivered = position
         m.last_seq.labels(stream.pod, str(stream.dp_rank)).set(seq)
 
-    def _on_acked(self, stream: StreamInfo, position: Position) -> Callable[..., None]:
-        """Delivery callback of a batch's last record: moves the stream's checkpoint."""
+    def _on_acked(
+        self, stream: StreamInfo, position: Position, batch_ts: float | None = None
+    ) -> Callable[..., None]:
+        """Delivery callback of a batch's last record: moves the stream's checkpoint and
+        observes the end-to-end lag (vLLM batch timestamp -> Kafka acknowledgement)."""
         default = self.sink.delivery_callback()
+        lag = self.metrics.e2e_lag
 
         def acked(err: Any, msg: Any) -> None:
             default(err, msg)
             if err is None:
                 stream.acked = position
+                if batch_ts is not None:
+                    lag.observe(max(0.0, time.time() - batch_ts))
 
         return acked
 

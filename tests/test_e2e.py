@@ -104,6 +104,8 @@ def test_pods_to_kafka_and_back(kafka_bootstrap, tmp_path, drop_rate):
         assert m.get("kvbridge_decode_errors_total", 0) == 0
         assert m.get("kvbridge_produce_errors_total", 0) == 0
         assert m.get("kvbridge_batches_lost_total", 0) == 0
+        # Every batch's lag from its vLLM timestamp to Kafka's acknowledgement was observed.
+        assert m["kvbridge_e2e_lag_seconds_count"] == len([b for b in sent if b["events"]])
         if drop_rate:
             m = wait_for(lambda: (m := scrape()).get("kvbridge_gaps_total") and m, 10, "gaps")
             assert m['kvbridge_replays_total{outcome="succeeded"}'] >= 1
