@@ -19,7 +19,7 @@ from bridge.pipeline import Pipeline, StreamInfo
 from bridge.records import RecordCodec
 from bridge.replaylimit import ReplayLimiter
 from bridge.sequencer import SequencerConfig, payload_digest
-from bridge.sink import KafkaSink, ensure_topic
+from bridge.sink import Fenced, KafkaSink, ensure_topic
 from bridge.subscriber import ReconnectPolicy, SocketRegistry, StreamSubscriber
 
 log = logging.getLogger(__name__)
@@ -321,7 +321,7 @@ class Bridge:
         """A bug hit by one stream's input is logged and counted; the other streams go on."""
         try:
             handler(now)
-        except (KafkaException, MemoryError):
+        except (KafkaException, Fenced, MemoryError):
             raise
         except Exception:
             owner = getattr(handler, "__self__", None)

@@ -124,6 +124,20 @@ class KafkaSink:
             raise
         self._producer.begin_transaction()
 
+    def _serve(self, timeout: float) -> int:
+        """poll(): callbacks run here, and librdkafka may raise its fatal error from it."""
+        try:
+            return self._producer.poll(timeout)
+        except KafkaException as exc:
+            self._note_fatal(exc)
+            self.check_fatal()
+            raise
+
+    def _note_fatal(self, exc: KafkaException) -> None:
+        err = exc.args[0] if exc.args else None
+        if self.fatal is None and isinstance(err, KafkaError) and err.fatal():
+            self.fatal = err
+
     def _raise_if_fatal(self, exc: KafkaException) -> None:
         """After a failed call: raise Fenced/RuntimeError if the producer is now unusable."""
         err = exc.args[0] if exc.args else None
@@ -132,7 +146,7 @@ class KafkaSink:
             for _ in range(20):
                 if self.fatal is not None:
                     break
-                self._producer.poll(0.05)
+                self._serve(0.05)
             if self.fatal is None:
                 self.fatal = err
         self.check_fatal()
@@ -168,7 +182,7 @@ class KafkaSink:
                 self._producer.produce(topic or self.topic, value, key, on_delivery=cb)
                 return
             except BufferError:
-                self._producer.poll(0.05)
+                self._serve(0.05)
                 self.check_fatal()
             except KafkaException as exc:
                 self._raise_if_fatal(exc)
@@ -178,14 +192,19 @@ class KafkaSink:
         return self._on_delivery
 
     def poll(self, timeout: float = 0.0) -> int:
-        return self._producer.poll(timeout)
+        return self._serve(timeout)
 
     def pending(self) -> int:
         return len(self._producer)
 
     def flush(self, timeout: float) -> int:
         """Wait for outstanding records; returns how many are still not acknowledged."""
-        return self._producer.flush(timeout)
+        try:
+            return self._producer.flush(timeout)
+        except KafkaException as exc:
+            self._note_fatal(exc)
+            self.check_fatal()
+            raise
 
 
 def ensure_topic(
