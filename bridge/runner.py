@@ -357,6 +357,7 @@ class Bridge:
                 )
         finally:
             self.streams.clear()
+            self.sink.close()
             self.ctx.term()
 
 

@@ -197,6 +197,15 @@ class KafkaSink:
     def pending(self) -> int:
         return len(self._producer)
 
+    def close(self) -> None:
+        """Release the producer (its threads stop reconnecting); call after the last flush."""
+        close = getattr(self._producer, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception as exc:  # a fenced or failed producer: nothing left to save
+                log.debug("closing the producer: %s", exc)
+
     def flush(self, timeout: float) -> int:
         """Wait for outstanding records; returns how many are still not acknowledged."""
         try:
