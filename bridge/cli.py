@@ -259,6 +259,14 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
             p.add_argument(
                 "--json", action="store_true", help="print the full state (every block) as JSON"
             )
+            p.add_argument(
+                "--query",
+                metavar="HASHES",
+                help="a request's block hashes in order, comma-separated (decimal 64-bit keys as "
+                "vLLM sends them, or hex digests/keys with 0x); prints the longest cached prefix "
+                "per pod and rank",
+            )
+            p.add_argument("--medium", help="with --query: only this tier, e.g. GPU")
     return parser
 
 
@@ -481,6 +489,27 @@ def cmd_consume(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_query(text: str) -> list[int]:
+    """Block hashes as vLLM's 64-bit keys: decimal ints, or hex (0x...) of a key or a digest
+    (a digest's key is its last 8 bytes, as in vLLM's integer mode)."""
+    keys = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            if part.lower().startswith("0x"):
+                raw = bytes.fromhex(part[2:].rjust(16, "0") if len(part) <= 18 else part[2:])
+                keys.append(int.from_bytes(raw[-8:], "big"))
+            else:
+                keys.append(int(part) % (1 << 64))
+        except ValueError:
+            raise ConfigError(
+                f"--query: {part!r} is not a block hash; give decimal keys (as vLLM sends them) "
+                "or hex with 0x, separated by commas"
+            ) from None
+    if not keys:
+        raise ConfigError("--query needs at least one block hash")
+    return keys
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from bridge.state import CacheState
 
@@ -492,6 +521,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
             if pods and cr.record.envelope.pod not in pods:
                 continue
             state.apply(cr.record)
+    if args.query is not None:
+        keys = parse_query(args.query)
+        matches = state.prefix_match(keys, args.medium)
+        ranked = sorted(matches.items(), key=lambda kv: (-kv[1], kv[0]))
+        print(f"{'pod':<20} {'rank':>4} {'prefix':>7} of {len(keys)} blocks")
+        for (pod, rank), n in ranked:
+            print(f"{pod:<20} {rank:>4} {n:>7}")
+        return 0
     if args.json:
         json.dump(state.to_json(), sys.stdout, indent=1)
         sys.stdout.write("\n")

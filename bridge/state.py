@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored
+from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, key64
 from bridge.markers import EventsLost, PodRemoved, PublisherRestarted, StreamStarted
 from bridge.records import Record
 
@@ -81,6 +81,28 @@ class CacheState:
         if st is None:
             return {}
         return {t: set(blocks) for t, blocks in st.tiers.items() if blocks}
+
+    def prefix_match(
+        self, keys: list[int], medium: str | None = None
+    ) -> dict[tuple[str, int], int]:
+        """For a request's block hashes in order (as vLLM's 64-bit keys), how many leading
+        blocks each stream holds: what a KV-aware router asks. ``medium`` limits the tiers
+        (e.g. "GPU"); None counts every tier."""
+        out = {}
+        for key, st in self.streams.items():
+            resident = {
+                key64(h)
+                for (m, _), blocks in st.tiers.items()
+                if medium is None or m == medium
+                for h in blocks
+            }
+            n = 0
+            for k in keys:
+                if k not in resident:
+                    break
+                n += 1
+            out[key] = n
+        return out
 
     def summary(self) -> dict[str, Any]:
         pods = []

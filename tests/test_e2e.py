@@ -157,6 +157,16 @@ def test_pods_to_kafka_and_back(kafka_bootstrap, tmp_path, drop_rate):
             for s in state["streams"]
         }
         assert rebuilt == reference_state(sent)
+        # A router's question: the longest cached prefix per pod, from vLLM's 64-bit keys.
+        (pod, rank), tiers = next((k, t) for k, t in sorted(rebuilt.items()) if t)
+        resident = sorted(next(iter(tiers.values())))
+        query = ",".join(f"0x{h}" for h in [*resident[:2], "ff" * 8])
+        got = run_cli(
+            ["replay", "--bootstrap-servers", kafka_bootstrap, "--topic", topic, "--query", query]
+        )
+        assert got.returncode == 0, got.stderr
+        rows = {tuple(ln.split()[:2]): int(ln.split()[2]) for ln in got.stdout.splitlines()[1:]}
+        assert rows[(pod, str(rank))] == min(2, len(resident))
         # ... and equals the simulator's own cache model.
         assert sim.stop() == 0, sim.output()
         model = {

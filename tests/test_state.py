@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,3 +78,34 @@ def test_matches_brute_force_sets(sequence):
     for rank in (0, 1):
         want = {(m, None): v for (r, m), v in ref.items() if r == rank and v}
         assert s.resident("p", rank) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from(range(6)), max_size=6),
+    st.lists(st.sampled_from(range(6)), max_size=8),
+)
+def test_prefix_match_is_the_longest_resident_prefix(stored, query):
+    s = CacheState()
+    digests = [bytes(24) + bytes([i]) * 8 for i in range(6)]  # 32-byte digests
+    s.apply(rec(BlockStored([digests[i] for i in stored], None, [], 16, medium="GPU")))
+    s.apply(rec(BlockStored([H[5]], None, [], 16, medium="CPU"), rank=1))
+    keys = [int.from_bytes(bytes([i]) * 8, "big") for i in query]
+    want = 0
+    for i in query:
+        if i not in stored:
+            break
+        want += 1
+    got = s.prefix_match(keys)
+    assert got[("p", 0)] == want
+    assert s.prefix_match(keys, medium="CPU")[("p", 0)] == 0
+
+
+def test_query_parsing_accepts_vllm_keys_and_digests():
+    from bridge.cli import parse_query
+    from bridge.config import ConfigError
+
+    digest = "0x" + "ab" * 24 + "0102030405060708"
+    assert parse_query(f"5, 0x10, {digest}, -1") == [5, 16, 0x0102030405060708, 2**64 - 1]
+    with pytest.raises(ConfigError, match="not a block hash"):
+        parse_query("5,zz")
