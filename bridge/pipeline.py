@@ -72,7 +72,12 @@ class Pipeline:
         self, stream: StreamInfo, epoch: int, seq: int, payload: bytes, replayed: bool
     ) -> None:
         m = self.metrics
-        m.batches_in.labels(stream.pod, "replay" if replayed else "live").inc()
+        c = stream.counters
+        if not c:  # metric children resolved once per stream, not per batch
+            c["live"] = m.batches_in.labels(stream.pod, "live")
+            c["replay"] = m.batches_in.labels(stream.pod, "replay")
+            c["last_seq"] = m.last_seq.labels(stream.pod, str(stream.dp_rank))
+        c["replay" if replayed else "live"].inc()
         try:
             batch = decode_batch(payload)
         except DecodeError as exc:
@@ -118,7 +123,7 @@ class Pipeline:
                 produce(key, encode(env, event))
         self.produced += len(events)
         stream.delivered = position
-        m.last_seq.labels(stream.pod, str(stream.dp_rank)).set(seq)
+        c["last_seq"].set(seq)
 
     def _on_acked(
         self, stream: StreamInfo, position: Position, batch_ts: float | None = None

@@ -124,9 +124,11 @@ class KafkaSink:
             raise
         self._producer.begin_transaction()
 
-    def _serve(self, timeout: float) -> int:
-        """poll(): callbacks run here, and librdkafka may raise its fatal error from it."""
+    def _serve(self, timeout: float, flush: bool = False) -> int:
+        """poll()/flush(): callbacks run here, and librdkafka may raise its fatal error here."""
         try:
+            if flush:
+                return self._producer.flush(timeout)
             return self._producer.poll(timeout)
         except KafkaException as exc:
             self._note_fatal(exc)
@@ -208,12 +210,7 @@ class KafkaSink:
 
     def flush(self, timeout: float) -> int:
         """Wait for outstanding records; returns how many are still not acknowledged."""
-        try:
-            return self._producer.flush(timeout)
-        except KafkaException as exc:
-            self._note_fatal(exc)
-            self.check_fatal()
-            raise
+        return self._serve(timeout, flush=True)
 
 
 def ensure_topic(
