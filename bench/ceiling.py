@@ -1,9 +1,10 @@
 """The ceiling: the bridge's per-event work alone, in one process, no sockets, no Kafka.
 
-For every payload: ``decode_batch`` (msgpack -> typed events), then ``RecordCodec.encode``
-of every event (typed event -> Avro single-object bytes), exactly the calls the bridge's
-pipeline makes per batch. Nothing else: no ZeroMQ, no sequencing, no producer. An end-to-end
-run can approach this number but not pass it (on the same machine and payloads).
+For every payload: ``decode_batch`` (msgpack -> typed events), then
+``RecordCodec.encode_batch`` of its events (typed events -> Avro single-object bytes), exactly
+the calls the bridge's pipeline makes per batch. Nothing else: no ZeroMQ, no sequencing, no
+producer. An end-to-end run can approach this number but not pass it (on the same machine and
+payloads).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bridge.records import Envelope, RecordCodec
+from bridge.records import RecordCodec
 from bridge.vllm.decoder import decode_batch
 
 __all__ = ["run_ceiling"]
@@ -31,14 +32,13 @@ def _decode_all(payloads: Sequence[bytes]) -> int:
 
 def _decode_and_encode_all(payloads: Sequence[bytes], codec: RecordCodec) -> tuple[int, int]:
     """(events, Avro bytes): what the bridge's pipeline does per batch, minus the producer."""
-    encode = codec.encode
+    encode = codec.encode_batch
     events = avro_bytes = 0
     for seq, payload in enumerate(payloads):
         batch = decode_batch(payload)
-        for index, event in enumerate(batch.events):
-            env = Envelope(_POD, _MODEL, 0, _EPOCH, seq, index, batch.ts, batch.extra)
-            avro_bytes += len(encode(env, event))
-        events += len(batch.events)
+        values = encode(_POD, _MODEL, 0, _EPOCH, seq, batch.ts, batch.extra, batch.events)
+        avro_bytes += sum(map(len, values))
+        events += len(values)
     return events, avro_bytes
 
 

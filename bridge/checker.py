@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from bridge.cliargs import add_kafka_args, kafka_target
+from bridge.cliargs import add_kafka_args, kafka_target, record_codec
 from bridge.config import ConfigError
 from bridge.jsonview import event_to_json
 from bridge.markers import (
@@ -839,6 +839,7 @@ def check_topic(
     pods: Iterable[str] | None = None,
     sent: Iterable[dict[str, Any]] | None = None,
     progress: Callable[[int], None] | None = None,
+    codec: Any = None,
 ) -> CheckReport:
     """Read the whole topic (from the beginning to the end seen at the start) and check it.
 
@@ -850,7 +851,7 @@ def check_topic(
     only = set(pods) if pods else None
     checker = TopicChecker(allow_duplicates, sent)
     n = 0
-    with TopicReader(bootstrap, topic, overrides) as reader:
+    with TopicReader(bootstrap, topic, overrides, codec=codec) as reader:
         for cr in reader.read():
             n += 1
             if progress is not None and n % 1000 == 0:
@@ -938,6 +939,7 @@ def run(args: argparse.Namespace) -> int:
             args.allow_duplicates,
             overrides,
             pods=args.pod or None,
+            codec=record_codec(args),
             sent=sent,
             progress=progress,
         )

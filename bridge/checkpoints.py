@@ -26,18 +26,25 @@ class Checkpoint:
     epoch: int
     seq: int
     digest: bytes | None  # payload_digest() of batch `seq`; None when `seq` was a loss marker
+    uid: str | None = None  # the pod's incarnation (Kubernetes UID), when known
 
     def encode(self) -> bytes:
         d = {"epoch": self.epoch, "seq": self.seq, "ts": time.time()}
         d["digest"] = None if self.digest is None else self.digest.hex()
+        if self.uid is not None:
+            d["uid"] = self.uid
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, value: bytes) -> Checkpoint:
         d = json.loads(value)
         digest = d.get("digest")
+        uid = d.get("uid")
         return cls(
-            int(d["epoch"]), int(d["seq"]), None if digest is None else bytes.fromhex(digest)
+            int(d["epoch"]),
+            int(d["seq"]),
+            None if digest is None else bytes.fromhex(digest),
+            None if uid is None else str(uid),
         )
 
 

@@ -3,23 +3,37 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import os
 import signal
 import sys
-from datetime import datetime
+from collections.abc import Callable, Mapping
+from dataclasses import fields
 from typing import Any
 
 from bridge import __version__
-from bridge.cliargs import add_kafka_args, kafka_target, kv_pairs
+from bridge.cliargs import add_kafka_args, kv_pairs
 from bridge.config import (
+    AIBRIX_ALIASES,
+    KAFKA_ENV_PREFIX,
     BridgeConfig,
     ConfigError,
     check_endpoint,
+    check_topic_template,
+    env_kafka_properties,
     env_settings,
     load_toml,
     parse_duration,
     parse_pod,
+    unknown_env,
+)
+from bridge.configcheck import (
+    boolean,
+    check_file_keys,
+    check_kafka_properties,
+    convert,
+    kafka_value,
+    validate,
 )
 from bridge.logsetup import setup_logging
 
@@ -72,8 +86,26 @@ replay=, gaps cannot be recovered and are written as EventsLost markers.
 
 SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
-    run.add_argument("--config", metavar="FILE", help="TOML settings file")
-    add_kafka_args(run)
+    run.add_argument("--config", metavar="FILE", help="TOML settings file (env KVBRIDGE_CONFIG)")
+    add_kafka_args(
+        run,
+        "topic to write, or a template: kv-events.{model} gives each model its own topic "
+        "({model} and {pod} are replaced; characters Kafka refuses become _)",
+    )
+    run.add_argument(
+        "--topic-partitions",
+        type=int,
+        metavar="N",
+        help="partitions of topics the bridge creates at start (6); an existing topic is left "
+        "as it is (a warning if it has fewer)",
+    )
+    run.add_argument(
+        "--topic-replication",
+        type=int,
+        metavar="N",
+        help="replication factor of topics the bridge creates (-1 = the broker's "
+        "default.replication.factor, the default); at most the number of brokers",
+    )
     run.add_argument("--pod", action="append", default=[], metavar="SPEC", help="a pod to follow")
     run.add_argument(
         "--listen",
@@ -201,7 +233,51 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
         metavar="DURATION",
         help="longest the event loop waits between checks (100ms; alias AIBRIX_ZMQ_POLL_TIMEOUT)",
     )
+    run.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        default=1,
+        help="split the pods across N bridge processes on this host (one core each), sharded "
+        "like replicas; worker i serves metrics on the metrics port + i (default 1)",
+    )
+    shard = run.add_argument_group(
+        "sharding",
+        "split one fleet across N bridge replicas: each follows the pods that rendezvous "
+        "hashing of the pod name assigns to it (no overlap; changing N moves ~1/N of the pods)",
+    )
+    shard.add_argument(
+        "--shard-index",
+        type=int,
+        metavar="I",
+        help="this replica's shard, 0..N-1 (env KVBRIDGE_SHARD_INDEX; default 0)",
+    )
+    shard.add_argument(
+        "--shard-count",
+        type=int,
+        metavar="N",
+        help="how many replicas split the fleet (env KVBRIDGE_SHARD_COUNT; default 1)",
+    )
+    from bridge.discovery.setup import add_discovery_args
+
+    add_discovery_args(run)
     _log_args(run)
+    config = sub.add_parser("config", help="check the run configuration")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    check_config = config_sub.add_parser(
+        "check",
+        parents=[run],
+        add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="validate and print the effective configuration of `run` with the same options",
+        description="Resolve the settings exactly as `kvbridge run` does (flags, then KVBRIDGE_* "
+        "environment variables, then --config FILE, then defaults), validate them (librdkafka "
+        "properties included; Kafka is not contacted) and print the effective configuration, "
+        "with where each value came from and secrets masked. Exit 0 if valid, 2 if not.",
+    )
+    check_config.add_argument(
+        "--format", choices=["toml", "json"], default="toml", help="output format (toml)"
+    )
 
     from bridge.simulator.cli import configure_parser as configure_simulate
 
@@ -212,108 +288,75 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     configure_simulate(sim)
 
+    from bridge.stateserve import configure_parser as configure_state
+    from bridge.statetopic import configure_parser as configure_state_sync
+
+    configure_state_sync(sub)
+    configure_state(sub)
+
     from bridge.checker import configure_parser as configure_check
 
     configure_check(
         sub.add_parser("check", help="verify the topic: contiguity, duplicates, markers")
     )
 
+    from bridge.readcli import configure_reader_parser
+
     for name, helptext in (
         ("consume", "print the topic's records as JSON lines"),
         ("replay", "rebuild per-pod cache state from the topic and print it"),
     ):
-        p = sub.add_parser(name, help=helptext, description=helptext)
-        add_kafka_args(p)
-        where = p.add_mutually_exclusive_group()
-        where.add_argument(
-            "--from-beginning", action="store_true", help="start at the beginning (default)"
-        )
-        where.add_argument(
-            "--from-end", action="store_true", help="start at the end (with --follow)"
-        )
-        where.add_argument(
-            "--from-offset", type=int, metavar="N", help="start at offset N of --partition"
-        )
-        where.add_argument(
-            "--from-timestamp",
-            metavar="TIME",
-            help="start at the first record at/after TIME (ISO 8601, or ms since the epoch)",
-        )
-        p.add_argument("--partition", type=int, help="partition for --from-offset")
-        p.add_argument(
-            "--to-offset", type=int, metavar="N", help="stop after offset N (per partition)"
-        )
-        p.add_argument("--pod", action="append", default=[], help="only these pods (repeatable)")
-        p.add_argument("--follow", action="store_true", help="keep reading new records")
-        _log_args(p)
-        if name == "consume":
-            p.add_argument(
-                "--type",
-                action="append",
-                default=[],
-                metavar="TYPE",
-                help="only these event/marker types, e.g. BlockStored, EventsLost (repeatable)",
-            )
-            p.add_argument("--max", type=int, metavar="N", help="stop after N records")
-        else:
-            p.add_argument(
-                "--json", action="store_true", help="print the full state (every block) as JSON"
-            )
-            p.add_argument(
-                "--query",
-                metavar="HASHES",
-                help="a request's block hashes in order, comma-separated (decimal 64-bit keys as "
-                "vLLM sends them, or hex digests/keys with 0x); prints the longest cached prefix "
-                "per pod and rank",
-            )
-            p.add_argument("--medium", help="with --query: only this tier, e.g. GPU")
+        configure_reader_parser(sub.add_parser(name, help=helptext), name)
     return parser
 
 
-def _boolean(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"{value!r} is not a boolean")
-
-
 def resolve_run_config(
-    args: argparse.Namespace, environ: dict[str, str] | None = None
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+    sources: dict[str, str] | None = None,
+    notes: list[str] | None = None,
 ) -> BridgeConfig:
-    """Flags win over KVBRIDGE_* env vars, which win over the TOML file."""
-    file: dict[str, Any] = load_toml(args.config) if args.config else {}
-    env = env_settings(environ)
-    cfg = BridgeConfig()
+    """Flags win over KVBRIDGE_* env vars, which win over the TOML file, then the defaults.
 
-    def pick(name: str, conv: type = str) -> Any:
+    ``sources`` (if given) receives where each setting came from (``flag``, ``env NAME``,
+    ``file PATH``, ``default``; librdkafka properties as ``kafka.<name>``); ``notes`` receives
+    warnings that do not stop the bridge (e.g. a KVBRIDGE_* variable that sets nothing)."""
+    environ = os.environ if environ is None else environ
+    if not args.config and environ.get("KVBRIDGE_CONFIG"):
+        args.config = environ["KVBRIDGE_CONFIG"]
+    file: dict[str, Any] = load_toml(args.config) if args.config else {}
+    file_source = f"file {args.config}"
+    if args.config:
+        check_file_keys(file, args.config)  # the tables' shapes; unknown keys at the end
+    env = env_settings(dict(environ))
+    cfg = BridgeConfig()
+    sources = {} if sources is None else sources
+
+    def env_source(name: str) -> str:
+        var = "KVBRIDGE_" + name.upper()
+        if var not in environ:
+            var = next((a for a, n in AIBRIX_ALIASES.items() if n == name and a in environ), var)
+        return "env " + var
+
+    def pick(name: str, conv: Callable[[Any], Any] = str) -> Any:
         flag = getattr(args, name, None)
         if flag is not None:
+            sources[name] = "flag"
             return flag
-        for source, value in (
-            ("env KVBRIDGE_" + name.upper(), env.get(name)),
-            ("file", file.get(name)),
-        ):
+        for source, value in ((env_source(name), env.get(name)), (file_source, file.get(name))):
             if value is not None:
-                try:
-                    return conv(value)
-                except (TypeError, ValueError) as exc:
-                    what = (
-                        "a duration (2.5, 100ms, 5s)" if conv is parse_duration else conv.__name__
-                    )
-                    raise ConfigError(f"{source} {name}={value!r}: expected {what}") from exc
+                sources[name] = source
+                return convert(name, source, value, conv)
+        sources[name] = "default"
         return getattr(cfg, name)
 
     cfg.bootstrap_servers = pick("bootstrap_servers")
     cfg.topic = pick("topic")
+    cfg.topic_partitions = pick("topic_partitions", int)
+    cfg.topic_replication = pick("topic_replication", int)
     cfg.metrics_port = pick("metrics_port", int)
     cfg.metrics_host = pick("metrics_host")
     cfg.first_contact = pick("first_contact")
-    if cfg.first_contact not in ("replay", "live"):
-        raise ConfigError(f"first_contact={cfg.first_contact!r}: accepted values are replay, live")
     cfg.replay_timeout = pick("replay_timeout", parse_duration)
     cfg.replay_deadline = pick("replay_deadline", parse_duration)
     cfg.replay_attempts = pick("replay_attempts", int)
@@ -325,32 +368,23 @@ def resolve_run_config(
     cfg.idle_probe = pick("idle_probe", parse_duration)
     cfg.checkpoint_topic = pick("checkpoint_topic")
     cfg.checkpoint_interval = pick("checkpoint_interval", parse_duration)
-    cfg.exactly_once = pick("exactly_once", _boolean)
+    cfg.exactly_once = pick("exactly_once", boolean)
     cfg.transactional_id = pick("transactional_id")
     cfg.commit_interval = pick("commit_interval", parse_duration)
     cfg.commit_max_events = pick("commit_max_events", int)
     cfg.shutdown_timeout = pick("shutdown_timeout", parse_duration)
     cfg.rcvhwm = pick("rcvhwm", int)
-    if cfg.rcvhwm < 1:
-        raise ConfigError(f"rcvhwm={cfg.rcvhwm}: must be >= 1")
-    if cfg.commit_max_events < 1 or cfg.commit_interval <= 0 or cfg.checkpoint_interval <= 0:
-        raise ConfigError("commit_max_events, commit_interval, checkpoint_interval must be > 0")
     cfg.poll_timeout = pick("poll_timeout", parse_duration)
-    for name in ("replay_attempts", "max_replays"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name}={getattr(cfg, name)}: must be >= 1")
-    if cfg.reconnect_factor < 1.0:
-        raise ConfigError(f"reconnect_factor={cfg.reconnect_factor}: must be >= 1.0")
-    if min(cfg.replay_timeout, cfg.replay_deadline, cfg.poll_timeout, cfg.reconnect_initial) <= 0:
-        raise ConfigError(
-            "replay_timeout, replay_deadline, poll_timeout and reconnect_initial must be > 0"
-        )
+    validate(cfg, sources)
     if args.pod:
         specs: list[Any] = list(args.pod)
+        sources["pods"] = "flag"
     elif env.get("pods"):
         specs = [s for s in env["pods"].split(";") if s.strip()]
+        sources["pods"] = "env KVBRIDGE_PODS"
     else:
         specs = list(file.get("pods", []))
+        sources["pods"] = file_source if specs else "default"
     cfg.pods = [parse_pod(s) for s in specs]
     cfg.listen = pick("listen")
     if cfg.listen is not None:
@@ -371,8 +405,43 @@ def resolve_run_config(
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"pod names must be unique; repeated: {', '.join(dupes)}")
-    cfg.kafka = {str(k): str(v) for k, v in file.get("kafka", {}).items()}
-    cfg.kafka.update(kv_pairs(args.kafka_property, "--kafka-property"))
+    check_topic_template(cfg.topic)
+    cfg.shard_count = pick("shard_count", int)
+    cfg.shard_index = pick("shard_index", int)
+    if cfg.shard_count < 1 or not 0 <= cfg.shard_index < cfg.shard_count:
+        raise ConfigError(
+            f"shard_index={cfg.shard_index}, shard_count={cfg.shard_count}: the count must be "
+            ">= 1 and the index in 0..count-1 (a StatefulSet's pod ordinal, with count = replicas)"
+        )
+    from bridge.discovery.setup import resolve_discovery
+
+    resolve_discovery(cfg, pick)
+    layers = (
+        (file_source, {str(k): kafka_value(v) for k, v in file.get("kafka", {}).items()}),
+        ("env", env_kafka_properties(dict(environ))),
+        ("flag", kv_pairs(args.kafka_property, "--kafka-property")),
+    )
+    cfg.schema_registry_url = pick("schema_registry_url")
+    cfg.schema_registry = {str(k): str(v) for k, v in file.get("schema_registry", {}).items()}
+    if "schema_registry" in file:
+        sources["schema_registry"] = file_source  # a [schema_registry] table of client properties
+    sr_flags = kv_pairs(getattr(args, "schema_registry_property", []), "--schema-registry-property")
+    cfg.schema_registry.update(sr_flags)
+    sources.update({f"schema_registry.{k}": "flag" for k in sr_flags})
+    cfg.kafka = {}
+    for where, props in layers:
+        for k, v in props.items():
+            cfg.kafka[k] = v
+            env_var = KAFKA_ENV_PREFIX + k.upper().replace(".", "_")
+            sources["kafka." + k] = "env " + env_var if where == "env" else where
+    if args.config:
+        check_file_keys(file, args.config, set(sources))
+    unknown = unknown_env(dict(environ), {f.name for f in fields(BridgeConfig)} | {"config"})
+    for var in unknown:
+        note = f"{var} is not a kvbridge setting and is ignored (a typo?)"
+        log.warning("%s", note)
+        if notes is not None:
+            notes.append(note)
     return cfg
 
 
@@ -380,20 +449,43 @@ def cmd_run(args: argparse.Namespace) -> int:
     from bridge.runner import Bridge
     from bridge.sink import Fenced
 
-    cfg = resolve_run_config(args)
-    if not cfg.pods:
+    sources: dict[str, str] = {}
+    cfg = resolve_run_config(args, sources=sources)
+    for warning in check_kafka_properties(cfg.kafka, sources, cfg.exactly_once):
+        log.warning("librdkafka: %s", warning)
+    if args.workers < 1:
+        raise ConfigError(f"--workers {args.workers}: must be >= 1")
+    if args.workers > 1:
+        from bridge.workers import supervise
+
+        return supervise(
+            args.argv, args.workers, cfg.shard_index, cfg.shard_count, cfg.metrics_port
+        )
+    if not cfg.pods and cfg.discovery == "static":
         raise ConfigError(
             "no pods to follow: give --pod name=NAME,model=MODEL,pub=tcp://HOST:5557,"
-            "replay=tcp://HOST:5558 (repeatable), KVBRIDGE_PODS, or [[pods]] in --config"
+            "replay=tcp://HOST:5558 (repeatable), KVBRIDGE_PODS, or [[pods]] in --config, "
+            "or --discovery kubernetes|dns"
         )
     bridge = Bridge(cfg)
     if cfg.metrics_port:
-        bridge.metrics.serve(cfg.metrics_port, cfg.metrics_host)
-        log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, cfg.metrics_port)
+        from bridge.health import HealthServer
+
+        http = HealthServer(bridge.metrics.registry, bridge.liveness, bridge.readiness)
+        http.start(cfg.metrics_port, cfg.metrics_host)
+        log.info(
+            "metrics and health on http://%s:%d (/metrics, /healthz, /readyz)",
+            cfg.metrics_host,
+            cfg.metrics_port,
+        )
 
     def _stop(signum: int, _frame: Any) -> None:
         log.info("%s: stopping (flushing Kafka)", signal.Signals(signum).name)
+        if discovery is not None:
+            discovery.stop()  # no pods added or removed while the bridge closes
         bridge.stop.set()
+
+    discovery: Any = None
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
@@ -409,150 +501,70 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg.topic,
         cfg.bootstrap_servers,
     )
+    from bridge.discovery.setup import start_discovery
+
+    try:
+        discovery = start_discovery(bridge, cfg)  # after open(), stopped before close()
+    except Exception:
+        bridge.close()
+        raise
     try:
         bridge.run()
     except Fenced as exc:
         print(f"kvbridge run: {exc}", file=sys.stderr)
         return 3
+    finally:
+        if discovery is not None:
+            discovery.stop()
+            discovery.join(10)
     log.info("stopped")
     return 0
 
 
-def _parse_time(text: str) -> int:
-    if text.isdigit():
-        return int(text)
-    try:
-        dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError as exc:
-        raise ConfigError(
-            f"--from-timestamp {text!r}: expected ISO 8601 (2026-12-02T16:00:00Z) or ms since epoch"
-        ) from exc
-    if dt.tzinfo is None:
-        raise ConfigError(f"--from-timestamp {text!r}: add a timezone, e.g. Z or +00:00")
-    return int(dt.timestamp() * 1000)
+def _parse_time(text: str, flag: str = "--from-timestamp") -> int:
+    from bridge.readcli import parse_time
+
+    return parse_time(text, flag)
 
 
-def _reader_args(args: argparse.Namespace) -> tuple[Any, Any]:
-    from bridge.consumer import StartAt, TopicReader
+def _reader_args(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(TopicReader, StartAt, StopAt | None) of the consume/replay options."""
+    from bridge.readcli import reader_args
 
-    bootstrap, topic, overrides = kafka_target(args)
-    if args.from_offset is not None:
-        if args.partition is None:
-            raise ConfigError("--from-offset needs --partition (offsets are per partition)")
-        start = StartAt("offset", offset=args.from_offset, partition=args.partition)
-    elif args.from_timestamp:
-        start = StartAt("timestamp", timestamp_ms=_parse_time(args.from_timestamp))
-    elif args.from_end:
-        start = StartAt("end")
-    else:
-        start = StartAt("beginning")
-    reader = TopicReader(bootstrap, topic, overrides)
-    return reader, start
+    return reader_args(args)
 
 
 def cmd_consume(args: argparse.Namespace) -> int:
-    from bridge.jsonview import event_to_json
+    from bridge.readcli import cmd_consume as run_consume
 
-    reader, start = _reader_args(args)
-    pods, types = set(args.pod), set(args.type)
-    n = 0
-    out = sys.stdout
-    with reader:
-        for cr in reader.read(start, follow=args.follow, to_offset=args.to_offset):
-            env, ev = cr.record.envelope, cr.record.event
-            name = type(ev).__name__
-            if (pods and env.pod not in pods) or (types and name not in types):
-                continue
-            line = {
-                "partition": cr.partition,
-                "offset": cr.offset,
-                "timestamp": cr.timestamp_ms,
-                "pod": env.pod,
-                "model": env.model,
-                "dp_rank": env.dp_rank,
-                "epoch": env.epoch,
-                "seq": env.seq,
-                "index": env.index,
-                "ts": env.ts,
-                "type": name,
-                "event": event_to_json(ev),
-            }
-            if env.batch_extra:
-                line["batch_extra"] = {k: v.hex() for k, v in env.batch_extra.items()}
-            out.write(json.dumps(line) + "\n")
-            n += 1
-            if args.max is not None and n >= args.max:
-                break
-        out.flush()
-        if reader.skipped:
-            log.warning("%d records could not be read and were skipped", reader.skipped)
-    return 0
+    return run_consume(args)
 
 
 def parse_query(text: str) -> list[int]:
-    """Block hashes as vLLM's 64-bit keys: decimal ints, or hex (0x...) of a key or a digest
-    (a digest's key is its last 8 bytes, as in vLLM's integer mode)."""
-    keys = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        try:
-            if part.lower().startswith("0x"):
-                raw = bytes.fromhex(part[2:].rjust(16, "0") if len(part) <= 18 else part[2:])
-                keys.append(int.from_bytes(raw[-8:], "big"))
-            else:
-                keys.append(int(part) % (1 << 64))
-        except ValueError:
-            raise ConfigError(
-                f"--query: {part!r} is not a block hash; give decimal keys (as vLLM sends them) "
-                "or hex with 0x, separated by commas"
-            ) from None
-    if not keys:
-        raise ConfigError("--query needs at least one block hash")
-    return keys
+    """Block hashes as vLLM's 64-bit keys (see bridge.readcli.parse_query)."""
+    from bridge.readcli import parse_query as parse
+
+    return parse(text)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from bridge.state import CacheState
+    from bridge.readcli import cmd_replay as run_replay
 
-    reader, start = _reader_args(args)
-    pods = set(args.pod)
-    state = CacheState()
-    with reader:
-        for cr in reader.read(start, follow=args.follow, to_offset=args.to_offset):
-            if pods and cr.record.envelope.pod not in pods:
-                continue
-            state.apply(cr.record)
-    if args.query is not None:
-        keys = parse_query(args.query)
-        matches = state.prefix_match(keys, args.medium)
-        ranked = sorted(matches.items(), key=lambda kv: (-kv[1], kv[0]))
-        print(f"{'pod':<20} {'rank':>4} {'prefix':>7} of {len(keys)} blocks")
-        for (pod, rank), n in ranked:
-            print(f"{pod:<20} {rank:>4} {n:>7}")
-        return 0
-    if args.json:
-        json.dump(state.to_json(), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-        return 0
-    s = state.summary()
-    print(f"records applied: {s['records_applied']}   markers: {s['markers'] or 'none'}")
-    print(f"{'pod':<20} {'rank':>4} {'epoch':>14} {'last_seq':>9} {'blocks':>8}  by medium / notes")
-    for e in s["streams"]:
-        notes = ", ".join(f"{k}={v}" for k, v in e["blocks_by_medium"].items())
-        if e["uncertain"]:
-            notes += f"  UNCERTAIN ({e['lost_batches']} batches lost)"
-        last = "-" if e["last_seq"] is None else e["last_seq"]
-        row = f"{e['pod']:<20} {e['dp_rank']:>4} {e['epoch']!s:>14} {last!s:>9} {e['blocks']:>8}"
-        print(f"{row}  {notes}")
-    return 0
+    return run_replay(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
     try:
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "config":
+            from bridge.configcheck import run_config_check
+
+            return run_config_check(args, resolve_run_config)
         if args.command == "simulate":
             from bridge.simulator.cli import run as run_simulate
 
@@ -565,6 +577,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_check(args)
         if args.command == "replay":
             return cmd_replay(args)
+        if args.command in ("state-sync", "state"):
+            from bridge import stateserve, statetopic
+
+            return (statetopic if args.command == "state-sync" else stateserve).run(args)
     except ConfigError as exc:
         print(f"kvbridge {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from bridge.config import ConfigError, env_settings
+from bridge.config import ConfigError, env_kafka_properties, env_settings
+from bridge.records import RecordCodec
 
 
 def add_kafka_args(p: argparse.ArgumentParser, topic_help: str = "topic of the events") -> None:
@@ -19,7 +20,22 @@ def add_kafka_args(p: argparse.ArgumentParser, topic_help: str = "topic of the e
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="any librdkafka property, e.g. security.protocol=SASL_SSL (repeatable)",
+        help="any librdkafka property, e.g. security.protocol=SASL_SSL (repeatable; env "
+        "KVBRIDGE_KAFKA_<NAME> with _ for ., e.g. KVBRIDGE_KAFKA_SASL_MECHANISM=PLAIN)",
+    )
+    p.add_argument(
+        "--schema-registry-url",
+        metavar="URL",
+        help="Confluent Schema Registry: values in its wire format, schema registered as "
+        "<topic>-value (env KVBRIDGE_SCHEMA_REGISTRY_URL; default: none, Avro single-object)",
+    )
+    p.add_argument(
+        "--schema-registry-property",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a schema registry client property, e.g. basic.auth.user.info=USER:PASSWORD "
+        "(repeatable)",
     )
 
 
@@ -34,8 +50,19 @@ def kv_pairs(items: list[str], what: str = "--kafka-property") -> dict[str, str]
 
 
 def kafka_target(args: argparse.Namespace) -> tuple[str, str, dict[str, str]]:
-    """(bootstrap, topic, librdkafka overrides): flags, then KVBRIDGE_* env, then defaults."""
+    """(bootstrap, topic, librdkafka overrides): flags, then KVBRIDGE_* env, then defaults.
+    librdkafka properties: ``--kafka-property`` over ``KVBRIDGE_KAFKA_*`` variables."""
     env = env_settings()
     bootstrap = args.bootstrap_servers or env.get("bootstrap_servers") or "localhost:9092"
     topic = args.topic or env.get("topic") or "kv-events"
-    return bootstrap, topic, kv_pairs(args.kafka_property)
+    return bootstrap, topic, {**env_kafka_properties(), **kv_pairs(args.kafka_property)}
+
+
+def record_codec(args: argparse.Namespace) -> RecordCodec:
+    """The codec readers use: both framings; Confluent schema ids looked up in the registry
+    given by ``--schema-registry-url`` (or KVBRIDGE_SCHEMA_REGISTRY_URL), if any."""
+    from bridge.registry import reader_codec
+
+    url = getattr(args, "schema_registry_url", None) or env_settings().get("schema_registry_url")
+    props = kv_pairs(getattr(args, "schema_registry_property", []), "--schema-registry-property")
+    return reader_codec(url, props)

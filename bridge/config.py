@@ -3,6 +3,7 @@ and CLI flags (flags win over env, env over the file)."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -31,6 +32,7 @@ class PodConfig:
     replay: str | None = None
     dp_size: int = 1
     topic: str = ""
+    uid: str | None = None  # incarnation (a Kubernetes pod UID): a new uid never resumes
 
     def pub_endpoint(self, rank: int) -> str | None:
         return None if self.pub is None else offset_port(self.pub, rank)
@@ -124,10 +126,52 @@ def parse_pod(spec: str | dict[str, Any]) -> PodConfig:
     return pod
 
 
+_TOPIC_FIELDS = {"model", "pod"}
+_TOPIC_ILLEGAL = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def check_topic_template(template: str) -> None:
+    """``kv-events``, ``kv-events.{model}``, ``kv.{model}.{pod}``: only those placeholders."""
+    import string
+
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as exc:
+        raise ConfigError(f"topic={template!r}: {exc} (use {{model}} or {{pod}})") from None
+    bad = fields - _TOPIC_FIELDS
+    if bad:
+        raise ConfigError(
+            f"topic={template!r}: unknown placeholder(s) {sorted(bad)}; "
+            "accepted: {model}, {pod}"
+        )
+    sample = render_topic(template, "m", "p")
+    if not sample or _TOPIC_ILLEGAL.search(sample) or len(sample) > 249:
+        raise ConfigError(
+            f"topic={template!r}: a Kafka topic name is 1-249 characters of A-Z a-z 0-9 . _ -"
+        )
+
+
+def render_topic(template: str, model: str, pod: str) -> str:
+    """The topic of one pod; characters Kafka refuses in the model or pod name become ``_``
+    (``meta-llama/Llama-3-8B`` -> ``meta-llama_Llama-3-8B``)."""
+    if "{" not in template:
+        return template
+    clean = {"model": _TOPIC_ILLEGAL.sub("_", model), "pod": _TOPIC_ILLEGAL.sub("_", pod)}
+    return template.format(**clean)[:249]
+
+
+def topic_base(template: str) -> str:
+    """The template's fixed leading part (``kv-events.{model}`` -> ``kv-events``), for the
+    names derived from it (checkpoint topic, transactional id)."""
+    return template.split("{", 1)[0].rstrip("._-") or "kvbridge"
+
+
 @dataclass(slots=True)
 class BridgeConfig:
     bootstrap_servers: str = "localhost:9092"
     topic: str = "kv-events"
+    topic_partitions: int = 6  # for topics the bridge creates (existing ones are left alone)
+    topic_replication: int = -1  # -1: the broker's default.replication.factor
     pods: list[PodConfig] = field(default_factory=list)
     listen: str | None = None  # one SUB the bridge binds; pods without pub= connect to it
     metrics_port: int = 9400  # 0 disables the HTTP endpoint
@@ -154,6 +198,25 @@ class BridgeConfig:
     rcvhwm: int = 10_000  # batches ZeroMQ may queue per stream while Kafka is slow
     max_message_bytes: int = 64 * 1024 * 1024
     kafka: dict[str, str] = field(default_factory=dict)  # librdkafka properties passed through
+    # Confluent Schema Registry (docs/schema-registry.md): None = Avro single-object framing
+    schema_registry_url: str | None = None
+    schema_registry: dict[str, str] = field(default_factory=dict)  # its client's properties
+    shard_index: int = 0  # this replica's shard (rendezvous hashing of pod names)
+    shard_count: int = 1
+    # pod discovery (docs/discovery.md): static = the pods above only
+    discovery: str = "static"  # static | kubernetes | dns
+    k8s_namespace: str | None = None  # None: the in-cluster namespace, else "default"
+    k8s_label_selector: str = "model.aibrix.ai/kv-events-enabled=true"
+    k8s_model_label: str = "model.aibrix.ai/name"  # else annotation kvbridge.io/model
+    k8s_kubeconfig: str | None = None  # None: in-cluster config, else ~/.kube/config
+    dns_name: str | None = None  # a headless service, re-resolved every dns_interval
+    dns_model: str = "unknown"
+    dns_interval: float = 10.0
+    dns_pub_port: int = 5557
+    dns_replay_port: int = 5558  # 0: no replay endpoint
+
+    def topic_for(self, pod: PodConfig) -> str:
+        return render_topic(self.topic, pod.model, pod.name)
 
 
 # AIBrix's documented (never implemented) variables, accepted as aliases; KVBRIDGE_* wins.
@@ -169,6 +232,8 @@ _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 
 def parse_duration(text: str | float | int) -> float:
     """Seconds from ``2.5`` (seconds) or a Go duration such as ``100ms``, ``5s``, ``1m30s``."""
+    if isinstance(text, bool):
+        raise ValueError(f"{text!r} is not a duration: use seconds (2.5) or units (100ms, 5s)")
     if isinstance(text, int | float):
         value = float(text)
     else:
@@ -182,6 +247,8 @@ def parse_duration(text: str | float | int) -> float:
                     f"{text!r} is not a duration: use seconds (2.5) or units (100ms, 5s, 1m30s)"
                 ) from None
             value = sum(float(n) * _UNITS[u] for n, u in parts)
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a duration: use seconds (2.5) or units (100ms, 5s)")
     if value < 0:
         raise ValueError(f"{text!r}: a duration cannot be negative")
     return value
@@ -204,3 +271,96 @@ def env_settings(environ: dict[str, str] | None = None) -> dict[str, str]:
     out = {AIBRIX_ALIASES[k]: v for k, v in environ.items() if k in AIBRIX_ALIASES}
     out.update({k[len(prefix) :].lower(): v for k, v in environ.items() if k.startswith(prefix)})
     return out
+
+
+# -- librdkafka properties -------------------------------------------------------------------
+
+KAFKA_ENV_PREFIX = "KVBRIDGE_KAFKA_"
+
+
+def env_kafka_properties(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``KVBRIDGE_KAFKA_SASL_MECHANISM=PLAIN`` -> ``{"sasl.mechanism": "PLAIN"}``."""
+    environ = os.environ if environ is None else environ
+    n = len(KAFKA_ENV_PREFIX)
+    return {
+        k[n:].lower().replace("_", "."): v
+        for k, v in environ.items()
+        if k.startswith(KAFKA_ENV_PREFIX) and len(k) > n
+    }
+
+
+# Producer-only librdkafka properties (global and topic scope): not given to the AdminClient
+# and the checkpoint consumer, which get every other property (security, networking, client.id).
+PRODUCER_ONLY = frozenset(
+    {
+        "acks",
+        "request.required.acks",
+        "enable.idempotence",
+        "enable.gapless.guarantee",
+        "partitioner",
+        "message.timeout.ms",
+        "delivery.timeout.ms",
+        "request.timeout.ms",
+        "linger.ms",
+        "queue.buffering.max.ms",
+        "queue.buffering.max.messages",
+        "queue.buffering.max.kbytes",
+        "queue.buffering.backpressure.threshold",
+        "compression.type",
+        "compression.codec",
+        "compression.level",
+        "batch.num.messages",
+        "batch.size",
+        "retries",
+        "message.send.max.retries",
+        "transactional.id",
+        "transaction.timeout.ms",
+        "queuing.strategy",
+        "produce.offset.report",
+        "delivery.report.only.error",
+        "sticky.partitioning.linger.ms",
+        "message.copy.max.bytes",
+    }
+)
+
+
+def shared_kafka_properties(kafka: dict[str, str]) -> dict[str, str]:
+    """The properties that also apply to the AdminClient and consumers (all but producer-only)."""
+    return {k: v for k, v in kafka.items() if k not in PRODUCER_ONLY}
+
+
+_SECRET_PARTS = (
+    "password",
+    "secret",
+    "token",
+    "jaas",
+    "ssl.key",
+    "credential",
+    "private",
+    "user.info",  # schema registry basic.auth.user.info = USER:PASSWORD
+)
+_SECRET_NAMES = {"sasl.oauthbearer.config", "ssl.keystore.location"}
+MASK = "****"
+
+
+def is_secret(name: str) -> bool:
+    """Whether a librdkafka property holds a secret (masked when a configuration is printed)."""
+    n = name.lower()
+    return n in _SECRET_NAMES or any(part in n for part in _SECRET_PARTS)
+
+
+# Variables Kubernetes injects for a Service named "kvbridge" (service links); not settings.
+_K8S_SERVICE_ENV = re.compile(r"KVBRIDGE_(SERVICE_HOST|SERVICE_PORT\w*|PORT(_\d+_\w+)?)$")
+
+
+def unknown_env(environ: dict[str, str], known: set[str]) -> list[str]:
+    """``KVBRIDGE_*`` variables that set nothing (typos), ignoring Kubernetes service links."""
+    out = []
+    for k in environ:
+        if not k.startswith("KVBRIDGE_") or k.startswith(KAFKA_ENV_PREFIX):
+            continue
+        if _K8S_SERVICE_ENV.match(k) or k.startswith("KVBRIDGE_TEST_"):
+            continue
+        if k[len("KVBRIDGE_") :].lower() not in known:
+            out.append(k)
+    return sorted(out)

@@ -1,18 +1,51 @@
-"""Reading the kv-events topic back: typed records with their Kafka coordinates."""
+"""Reading the kv-events topic back: typed records with their Kafka coordinates.
+
+A small library for anything that consumes the topic (``kvbridge consume``/``replay``,
+``kvbridge check``, routers, analytics)::
+
+    from bridge.consumer import StartAt, StopAt, TopicReader
+    from bridge.state import CacheState
+
+    state = CacheState()
+    with TopicReader("localhost:9092", "kv-events") as reader:
+        for cr in reader.read(StartAt.at_timestamp(1764700000000), stop=StopAt.at_end()):
+            state.apply(cr.record)  # cr.partition, cr.offset, cr.timestamp_ms: where it was
+        print(reader.next_offsets)  # where to continue from next time
+
+Where to start (:class:`StartAt`): the beginning, the end, offsets per partition, a timestamp
+(the first record at or after it, via ``offsets_for_times``), or a consumer group's committed
+offsets (``TopicReader(..., group_id=...)``, then :meth:`TopicReader.commit`). Where to stop
+(:class:`StopAt`): the end seen when reading began (the default), offsets per partition, a
+timestamp, or never (``follow=True``). Reads are ``read_committed``: records of aborted
+transactions never show.
+"""
 
 from __future__ import annotations
 
 import logging
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_END,
+    OFFSET_INVALID,
+    Consumer,
+    KafkaException,
+    TopicPartition,
+)
 
 from bridge.records import Record, RecordCodec, RecordError
 
 log = logging.getLogger(__name__)
+
+__all__ = ["ConsumedRecord", "ReaderError", "StartAt", "StopAt", "TopicReader"]
+
+
+class ReaderError(RuntimeError):
+    """Reading cannot start as asked (missing topic, unknown partition, no group...)."""
 
 
 @dataclass(slots=True)
@@ -25,22 +58,93 @@ class ConsumedRecord:
 
 @dataclass(frozen=True, slots=True)
 class StartAt:
-    """Where to start: "beginning", "end", an offset (of ``partition``) or a timestamp (ms)."""
+    """Where to start reading.
+
+    ``kind``: "beginning", "end", "offset" (``offset`` of ``partition`` only), "offsets"
+    (``offsets``: {partition: offset}; only those partitions are read), "timestamp"
+    (``timestamp_ms``: the first record at or after it, in every partition) or "committed"
+    (the reader's consumer group's committed offsets; partitions without one start at the
+    beginning).
+    """
 
     kind: str = "beginning"
     offset: int | None = None
     partition: int | None = None
     timestamp_ms: int | None = None
+    offsets: dict[int, int] | None = field(default=None, hash=False)
+
+    @classmethod
+    def beginning(cls) -> StartAt:
+        return cls("beginning")
+
+    @classmethod
+    def end(cls) -> StartAt:
+        return cls("end")
+
+    @classmethod
+    def at_offsets(cls, offsets: dict[int, int]) -> StartAt:
+        return cls("offsets", offsets=dict(offsets))
+
+    @classmethod
+    def at_timestamp(cls, timestamp_ms: int) -> StartAt:
+        return cls("timestamp", timestamp_ms=timestamp_ms)
+
+    @classmethod
+    def committed(cls) -> StartAt:
+        return cls("committed")
+
+
+@dataclass(frozen=True, slots=True)
+class StopAt:
+    """Where to stop. ``offsets``: {partition: last offset to read (inclusive)}; partitions
+    not named are read to the end. ``offset``: the last offset to read in every partition.
+    ``timestamp_ms``: the last record read is the last at or before it (in each partition).
+    Several conditions: the first one reached. With ``follow``, a partition without a bound
+    is read forever."""
+
+    offsets: dict[int, int] | None = field(default=None, hash=False)
+    timestamp_ms: int | None = None
+    offset: int | None = None
+
+    @classmethod
+    def at_end(cls) -> StopAt:
+        return cls()
+
+    @classmethod
+    def at_offsets(cls, offsets: dict[int, int]) -> StopAt:
+        return cls(offsets=dict(offsets))
+
+    @classmethod
+    def at_timestamp(cls, timestamp_ms: int) -> StopAt:
+        return cls(timestamp_ms=timestamp_ms)
 
 
 class TopicReader:
+    """Reads one topic with a manually assigned consumer (no rebalancing).
+
+    ``group_id``: a consumer group whose committed offsets :meth:`read` can start from
+    (``StartAt.committed()``) and :meth:`commit` advances; without it, a throwaway group
+    that commits nothing. ``overrides``: any librdkafka consumer properties.
+
+    After (or during) :meth:`read`: ``next_offsets`` {partition: the offset after the last
+    record read}, ``start_offsets`` and ``end_offsets`` (where each partition started and
+    where it stops; None while following without a bound), ``records_read``, ``skipped``.
+    """
+
     def __init__(
-        self, bootstrap_servers: str, topic: str, overrides: dict[str, Any] | None = None
+        self,
+        bootstrap_servers: str,
+        topic: str,
+        overrides: dict[str, Any] | None = None,
+        group_id: str | None = None,
+        codec: RecordCodec | None = None,
     ) -> None:
+        """``codec``: how values are decoded (default: both framings, no schema registry)."""
         conf: dict[str, Any] = {
             "bootstrap.servers": bootstrap_servers,
-            "group.id": f"kvbridge-reader-{uuid.uuid4().hex[:12]}",
+            "group.id": group_id or f"kvbridge-reader-{uuid.uuid4().hex[:12]}",
             "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
             "enable.partition.eof": False,
             "auto.offset.reset": "earliest",
             # Only committed records: in exactly-once mode, aborted ones never show.
@@ -48,9 +152,14 @@ class TopicReader:
         }
         conf.update(overrides or {})
         self.topic = topic
+        self.group_id = group_id
         self.consumer = Consumer(conf)
-        self.codec = RecordCodec()
+        self.codec = codec or RecordCodec()
         self.skipped = 0
+        self.records_read = 0
+        self.next_offsets: dict[int, int] = {}
+        self.start_offsets: dict[int, int] = {}
+        self.end_offsets: dict[int, int | None] = {}
 
     def close(self) -> None:
         self.consumer.close()
@@ -65,11 +174,25 @@ class TopicReader:
         md = self.consumer.list_topics(self.topic, timeout=timeout)
         t = md.topics.get(self.topic)
         if t is None or t.error is not None or not t.partitions:
-            raise RuntimeError(
+            raise ReaderError(
                 f"topic {self.topic!r} not found on the broker; check --topic and "
                 "--bootstrap-servers (kvbridge run creates it)"
             )
         return sorted(t.partitions)
+
+    def _check_partitions(self, wanted: dict[int, int], parts: list[int], what: str) -> None:
+        unknown = sorted(set(wanted) - set(parts))
+        if unknown:
+            raise ReaderError(
+                f"{what}: partition {unknown[0]} does not exist; topic {self.topic!r} has "
+                f"partitions {parts[0]}..{parts[-1]}"
+            )
+
+    def _offsets_for_time(self, parts: list[int], timestamp_ms: int) -> dict[int, int]:
+        """Per partition, the first offset whose timestamp is >= ``timestamp_ms`` (-1: none)."""
+        tps = [TopicPartition(self.topic, p, timestamp_ms) for p in parts]
+        found = self.consumer.offsets_for_times(tps, timeout=10)
+        return {tp.partition: tp.offset for tp in found}
 
     def _start_offsets(self, start: StartAt, parts: list[int]) -> dict[int, int]:
         if start.kind == "beginning":
@@ -78,19 +201,53 @@ class TopicReader:
             return {p: OFFSET_END for p in parts}
         if start.kind == "offset":
             if start.partition is None or start.offset is None:
-                raise ValueError("--from-offset needs --partition")
-            if start.partition not in parts:
-                raise ValueError(
-                    f"partition {start.partition} does not exist; topic {self.topic!r} has "
-                    f"partitions {parts}"
-                )
-            return {start.partition: start.offset}
+                raise ReaderError("--from-offset N needs --partition P (offsets are per partition)")
+            wanted = {start.partition: start.offset}
+            self._check_partitions(wanted, parts, "start offset")
+            return wanted
+        if start.kind == "offsets":
+            wanted = dict(start.offsets or {})
+            if not wanted:
+                raise ReaderError("start offsets: give at least one partition:offset")
+            self._check_partitions(wanted, parts, "start offset")
+            return wanted
         if start.kind == "timestamp":
-            tps = [TopicPartition(self.topic, p, start.timestamp_ms) for p in parts]
-            found = self.consumer.offsets_for_times(tps, timeout=10)
+            if start.timestamp_ms is None:
+                raise ReaderError("start at a timestamp needs timestamp_ms")
+            found = self._offsets_for_time(parts, start.timestamp_ms)
             # -1: no record at or after that time in this partition -> start at its end.
-            return {tp.partition: (tp.offset if tp.offset >= 0 else OFFSET_END) for tp in found}
-        raise ValueError(f"unknown start kind {start.kind!r}")
+            return {p: (o if o >= 0 else OFFSET_END) for p, o in found.items()}
+        if start.kind == "committed":
+            if self.group_id is None:
+                raise ReaderError(
+                    "starting at committed offsets needs a consumer group: give --group ID"
+                )
+            got = self.consumer.committed([TopicPartition(self.topic, p) for p in parts], 10)
+            return {tp.partition: (tp.offset if tp.offset >= 0 else OFFSET_BEGINNING) for tp in got}
+        raise ReaderError(f"unknown start kind {start.kind!r}")
+
+    def _stop_offsets(
+        self, stop: StopAt | None, to_offset: int | None, parts: list[int]
+    ) -> dict[int, int]:
+        """Exclusive end offsets per partition from the stop conditions (absent: no bound)."""
+        ends: dict[int, int] = {}
+        for last in (to_offset, stop.offset if stop is not None else None):
+            if last is not None:
+                ends = {p: min(ends.get(p, last + 1), last + 1) for p in parts}
+        if stop is not None and stop.offsets:
+            self._check_partitions(stop.offsets, parts, "stop offset")
+            for p, o in stop.offsets.items():
+                ends[p] = min(ends.get(p, o + 1), o + 1)
+        if stop is not None and stop.timestamp_ms is not None:
+            for p, o in self._offsets_for_time(parts, stop.timestamp_ms + 1).items():
+                if o >= 0:
+                    ends[p] = min(ends.get(p, o), o)
+        return ends
+
+    def watermarks(self, partition: int) -> tuple[int, int]:
+        return self.consumer.get_watermark_offsets(
+            TopicPartition(self.topic, partition), timeout=10, cached=False
+        )
 
     def read(
         self,
@@ -98,20 +255,45 @@ class TopicReader:
         follow: bool = False,
         to_offset: int | None = None,
         idle_timeout: float = 1.0,
+        stop: StopAt | None = None,
     ) -> Iterator[ConsumedRecord]:
-        """Records from ``start``; without ``follow``, stops at the end seen when it began."""
+        """Records from ``start`` up to ``stop`` (and ``to_offset``, inclusive, in every
+        partition). Without ``follow``, a partition without a bound stops at the end it had
+        when reading began; with it, such a partition is read until the caller stops."""
         start = start or StartAt()
+        self.start_offsets, self.end_offsets, self.next_offsets = {}, {}, {}
         parts = self.partitions()
         offsets = self._start_offsets(start, parts)
-        ends: dict[int, int] = {}
+        bounds = self._stop_offsets(stop, to_offset, parts)
+        ends: dict[int, int | None] = {}
         for p in offsets:
-            lo, hi = self.consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10)
-            ends[p] = hi if to_offset is None else min(hi, to_offset + 1)
+            lo, hi = self.watermarks(p)
             if offsets[p] == OFFSET_END:
                 offsets[p] = hi
-            elif offsets[p] == OFFSET_BEGINNING:
+            elif offsets[p] == OFFSET_BEGINNING or offsets[p] < lo:
+                if offsets[p] != OFFSET_BEGINNING:
+                    log.warning(
+                        "partition %d: offset %d is gone (retention); starting at %d",
+                        p,
+                        offsets[p],
+                        lo,
+                    )
                 offsets[p] = lo
-        remaining = {p for p in offsets if follow or offsets[p] < ends[p]}
+            elif offsets[p] > hi:
+                log.warning(
+                    "partition %d: offset %d is past the end (%d): was the topic recreated? "
+                    "starting at the end",
+                    p,
+                    offsets[p],
+                    hi,
+                )
+                offsets[p] = hi
+            bound = bounds.get(p)
+            ends[p] = bound if follow else min(hi, bound if bound is not None else hi)
+        self.start_offsets = dict(offsets)
+        self.end_offsets = dict(ends)
+        self.next_offsets = dict(offsets)
+        remaining = {p for p in offsets if ends[p] is None or offsets[p] < ends[p]}
         self.consumer.assign([TopicPartition(self.topic, p, o) for p, o in offsets.items()])
         idle = 0
         while remaining:
@@ -124,9 +306,12 @@ class TopicReader:
                     log.warning("kafka: %s", err)
                     continue
                 p, off = msg.partition(), msg.offset()
-                if not follow and off >= ends[p]:
+                end = ends.get(p)
+                if p not in remaining or (end is not None and off >= end):
                     remaining.discard(p)
                     continue
+                self.next_offsets[p] = off + 1
+                self.records_read += 1
                 try:
                     rec = self.codec.decode(msg.value())
                 except RecordError as exc:
@@ -134,22 +319,52 @@ class TopicReader:
                     log.warning("partition %d offset %d: skipped: %s", p, off, exc)
                 else:
                     yield ConsumedRecord(p, off, msg.timestamp()[1], rec)
-                if not follow and off + 1 >= ends[p]:
+                if end is not None and off + 1 >= end:
                     remaining.discard(p)
-            if not follow and remaining:
+            bounded = {p for p in remaining if ends[p] is not None}
+            if bounded:
                 # Transaction markers take offsets but are never returned, and read_committed
                 # stops at the last stable offset: the position says when a partition is done.
                 idle = 0 if msgs else idle + 1
-                positions = self.consumer.position(
-                    [TopicPartition(self.topic, p) for p in remaining]
-                )
+                positions = self.consumer.position([TopicPartition(self.topic, p) for p in bounded])
                 for tp in positions:
-                    if tp.offset >= ends[tp.partition]:
+                    end = ends[tp.partition]
+                    if tp.offset >= 0 and end is not None and tp.offset >= end:
                         remaining.discard(tp.partition)
-                if idle >= 3 and remaining:
+                        self.next_offsets[tp.partition] = max(
+                            self.next_offsets[tp.partition], min(tp.offset, end)
+                        )
+                if not follow and idle >= 3 and remaining:
                     log.warning(
                         "partitions %s: no more committed records before the end seen at the "
                         "start (an open transaction?); stopping there",
                         sorted(remaining),
                     )
                     return
+
+    def progress(self) -> tuple[int, int | None]:
+        """(offsets read so far, offsets to read in all; None when unbounded) over the
+        partitions of the current :meth:`read`."""
+        done = sum(self.next_offsets[p] - self.start_offsets[p] for p in self.start_offsets)
+        if any(e is None for e in self.end_offsets.values()):
+            return done, None
+        total = sum(max(0, (e or 0) - self.start_offsets[p]) for p, e in self.end_offsets.items())
+        return done, total
+
+    def commit(self, asynchronous: bool = False) -> dict[int, int]:
+        """Commit ``next_offsets`` as the consumer group's position (needs ``group_id``);
+        returns what was committed. Records before those offsets count as processed: call it
+        after handling them."""
+        if self.group_id is None:
+            raise ReaderError("commit needs a consumer group: TopicReader(..., group_id=...)")
+        if not self.next_offsets:
+            return {}
+        tps = [TopicPartition(self.topic, p, o) for p, o in sorted(self.next_offsets.items())]
+        self.consumer.commit(offsets=tps, asynchronous=asynchronous)
+        return dict(self.next_offsets)
+
+    def committed(self) -> dict[int, int]:
+        """The consumer group's committed offsets (partitions without one left out)."""
+        parts = self.partitions()
+        got = self.consumer.committed([TopicPartition(self.topic, p) for p in parts], 10)
+        return {tp.partition: tp.offset for tp in got if tp.offset not in (OFFSET_INVALID, -1)}

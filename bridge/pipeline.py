@@ -30,6 +30,8 @@ class StreamInfo:
     model: str
     dp_rank: int
     endpoint: str
+    topic: str | None = None  # None: the sink's default topic
+    uid: str | None = None  # the pod's incarnation (Kubernetes UID), when discovery knows it
     key: bytes = b""
     counters: dict[str, Any] = field(default_factory=dict)
     # Positions (epoch, seq, payload or None for a loss marker) for checkpoints: the last batch
@@ -107,6 +109,7 @@ class Pipeline:
         encode = self.codec.encode
         produce = self.sink.produce
         key = stream.key
+        topic = stream.topic
         events = batch.events
         position = (epoch, seq, payload)
         last = len(events) - 1
@@ -118,9 +121,9 @@ class Pipeline:
                 m.unknown_events.labels(stream.pod, event.tag[:64]).inc()
             self._count_event(stream.pod, type(event).__name__)
             if index == last and self.track_acks:
-                produce(key, encode(env, event), self._on_acked(stream, position, batch.ts))
+                produce(key, encode(env, event), self._on_acked(stream, position, batch.ts), topic)
             else:
-                produce(key, encode(env, event))
+                produce(key, encode(env, event), None, topic)
         self.produced += len(events)
         stream.delivered = position
         c["last_seq"].set(seq)
@@ -167,6 +170,6 @@ class Pipeline:
             position = (epoch, marker.to_seq, None)
             stream.delivered = position
             if self.track_acks:
-                self.sink.produce(stream.key, value, self._on_acked(stream, position))
+                self.sink.produce(stream.key, value, self._on_acked(stream, position), stream.topic)
                 return
-        self.sink.produce(stream.key, value)
+        self.sink.produce(stream.key, value, None, stream.topic)

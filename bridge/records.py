@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,13 @@ import msgpack
 from fastavro import schemaless_reader, schemaless_writer
 from fastavro.schema import parse_schema, to_parsing_canonical_form
 
+from bridge import avro_encode
 from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent, VllmEvent
 from bridge.markers import EventsLost, Marker, PodRemoved, PublisherRestarted, StreamStarted
 
 SCHEMA_NAMESPACE = "io.kvbridge.v1"
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
+CONFLUENT_MAGIC = b"\x00"  # Confluent wire format: then the schema id, 4 bytes big-endian
 
 
 class RecordError(ValueError):
@@ -174,16 +177,75 @@ _SIMPLE_TYPES: dict[str, type] = {
 class RecordCodec:
     """Encodes and decodes kv-events values (single-object encoding)."""
 
-    def __init__(self, schema_path: Path | None = None) -> None:
+    def __init__(self, schema_path: Path | None = None, header: bytes | None = None) -> None:
+        """``header``: the value prefix to write instead of the single-object header (the
+        Confluent wire format's magic byte and schema id, when a registry is configured)."""
         path = schema_path or schema_dir() / "kv_event.avsc"
         raw = json.loads(path.read_text())
         self.schema = parse_schema(raw)
         self.canonical = to_parsing_canonical_form(self.schema)
         self.fingerprint = crc64_avro(self.canonical.encode())
         self.header = SINGLE_OBJECT_MAGIC + self.fingerprint.to_bytes(8, "little")
-        self._readers: dict[bytes, Any] = {self.header[2:]: self.schema}
+        if header is not None:
+            self.header = header
+        self._readers: dict[bytes, Any] = {self.fingerprint.to_bytes(8, "little"): self.schema}
+
+    @cached_property
+    def _fast(self) -> bool:
+        """Whether the loaded schema is the one :mod:`bridge.avro_encode` was written for."""
+        return self.fingerprint == avro_encode.SCHEMA_FINGERPRINT
 
     def encode(self, envelope: Envelope, event: VllmEvent | Marker) -> bytes:
+        """One record value: ``self.header`` then the Avro body."""
+        if not self._fast:
+            return self.encode_reference(envelope, event)
+        return b"".join(
+            (
+                self.header,
+                avro_encode.envelope_head(
+                    envelope.pod, envelope.model, envelope.dp_rank, envelope.epoch, envelope.seq
+                ),
+                avro_encode.index_bytes(envelope.index),
+                avro_encode.envelope_tail(envelope.ts, envelope.batch_extra),
+                avro_encode.encode_event(event),
+            )
+        )
+
+    def encode_batch(
+        self,
+        pod: str,
+        model: str,
+        dp_rank: int,
+        epoch: int,
+        seq: int,
+        ts: float,
+        batch_extra: dict[str, bytes],
+        events: Sequence[VllmEvent],
+    ) -> list[bytes]:
+        """The values of a vLLM batch's records (``index`` = position in ``events``), equal to
+        ``encode`` of each; the envelope is encoded once for the whole batch."""
+        if not self._fast:
+            return [
+                self.encode_reference(
+                    Envelope(pod, model, dp_rank, epoch, seq, i, ts, batch_extra), event
+                )
+                for i, event in enumerate(events)
+            ]
+        head = self.header + avro_encode.envelope_head(pod, model, dp_rank, epoch, seq)
+        tail = avro_encode.envelope_tail(ts, batch_extra)
+        encoders = avro_encode.EVENT_ENCODERS
+        index = avro_encode.index_bytes
+        out = []
+        append = out.append
+        for i, event in enumerate(events):
+            enc = encoders.get(type(event))
+            body = enc(event) if enc is not None else avro_encode.encode_event(event)
+            append(b"".join((head, index(i), tail, body)))
+        return out
+
+    def encode_reference(self, envelope: Envelope, event: VllmEvent | Marker) -> bytes:
+        """``encode`` through fastavro's generic writer: the reference the fast path matches,
+        and the path taken for any schema other than the one it was written for."""
         datum = {
             "pod": envelope.pod,
             "model": envelope.model,
@@ -200,22 +262,43 @@ class RecordCodec:
         schemaless_writer(buf, self.schema, datum)
         return buf.getvalue()
 
+    # Where Confluent wire-format schema ids are looked up (bridge.registry.SchemaRegistry):
+    # anything with ``writer_schema(schema_id) -> parsed schema`` raising RecordError.
+    registry: Any = None
+
+    def _confluent_writer(self, schema_id: int) -> Any:
+        """The writer schema of a Confluent wire-format value (magic byte 0 + schema id)."""
+        if self.registry is not None:
+            return self.registry.writer_schema(schema_id)
+        if self.header == CONFLUENT_MAGIC + schema_id.to_bytes(4, "big"):
+            return self.schema  # our own records: the id we were given when registering
+        raise RecordError(
+            f"value is in the Confluent wire format (schema id {schema_id}) and no schema "
+            "registry is configured to look the id up: pass --schema-registry-url "
+            "(or set KVBRIDGE_SCHEMA_REGISTRY_URL)"
+        )
+
     def decode(self, value: bytes) -> Record:
-        if len(value) < 10 or value[:2] != SINGLE_OBJECT_MAGIC:
+        """A record from either framing: Avro single-object encoding (``C3 01`` + fingerprint)
+        or the Confluent wire format (``00`` + 4-byte big-endian schema id)."""
+        if len(value) >= 10 and value[:2] == SINGLE_OBJECT_MAGIC:
+            writer = self._readers.get(value[2:10])
+            if writer is None:
+                raise RecordError(
+                    f"value written with an unknown schema (fingerprint {value[2:10][::-1].hex()});"
+                    " upgrade kvbridge to read it"
+                )
+            body = value[10:]
+        elif len(value) >= 5 and value[:1] == CONFLUENT_MAGIC:
+            writer = self._confluent_writer(int.from_bytes(value[1:5], "big"))
+            body = value[5:]
+        else:
             raise RecordError(
-                "value is not Avro single-object encoded (expected the C3 01 marker); "
-                "is this topic written by kvbridge?"
-            )
-        writer = self._readers.get(value[2:10])
-        if writer is None:
-            raise RecordError(
-                f"value written with an unknown schema (fingerprint {value[2:10][::-1].hex()}); "
-                "upgrade kvbridge to read it"
+                "value is neither Avro single-object encoded (C3 01 marker) nor in the Confluent "
+                "wire format (magic byte 0 + schema id); is this topic written by kvbridge?"
             )
         try:
-            d = schemaless_reader(
-                io.BytesIO(value[10:]), writer, self.schema, return_record_name=True
-            )
+            d = schemaless_reader(io.BytesIO(body), writer, self.schema, return_record_name=True)
         except Exception as exc:  # fastavro raises many types on corrupt input
             raise RecordError(f"corrupt Avro body: {exc}") from exc
         name, ev = d.pop("event")

@@ -5,20 +5,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import zmq
 from confluent_kafka import KafkaException
 
 from bridge.checkpoints import Checkpoint, checkpoint_key, load_checkpoints
-from bridge.config import BridgeConfig, PodConfig, offset_port
+from bridge.config import (
+    BridgeConfig,
+    PodConfig,
+    offset_port,
+    shared_kafka_properties,
+    topic_base,
+)
 from bridge.listener import SharedListener
-from bridge.markers import KAFKA_REFUSED, EventsLost
+from bridge.markers import KAFKA_REFUSED, EventsLost, PodRemoved
 from bridge.metrics import BridgeMetrics
 from bridge.pipeline import Pipeline, StreamInfo
 from bridge.records import RecordCodec
 from bridge.replaylimit import ReplayLimiter
 from bridge.sequencer import SequencerConfig, payload_digest
+from bridge.sharding import shard_of
 from bridge.sink import Fenced, KafkaSink, ensure_topic
 from bridge.subscriber import ReconnectPolicy, SocketRegistry, StreamSubscriber
 
@@ -36,31 +44,45 @@ class Bridge:
         self.stop = threading.Event()
         self.ctx = zmq.Context()
         # SUB + DEALER + a monitor pair (two sockets) per stream, and headroom for sockets being
-        # recreated: lift libzmq's default limit of 1023.
-        self.ctx.set(zmq.MAX_SOCKETS, max(1024, 6 * self._stream_count() + 256))
+        # recreated and pods discovered later: lift libzmq's default limit of 1023.
+        self.ctx.set(zmq.MAX_SOCKETS, max(4096, 6 * self._stream_count() + 256))
         self.poller = zmq.Poller()
         self.registry = SocketRegistry(self.poller)
         self.codec = RecordCodec()
+        if config.schema_registry_url:  # Confluent wire format, schema id from the registry
+            from bridge.registry import writer_codec
+
+            subject_topic = config.topic if "{" not in config.topic else topic_base(config.topic)
+            self.codec = writer_codec(
+                config.schema_registry_url, subject_topic, config.schema_registry
+            )
         self._acked: dict[bytes, object] = {}
         self.exactly_once = config.exactly_once
+        base = topic_base(config.topic)
+        txn_id = config.transactional_id or f"kvbridge-{base}"
+        if config.shard_count > 1:
+            txn_id += f"-shard{config.shard_index}"
         self.sink = KafkaSink(
             config.bootstrap_servers,
-            config.topic,
+            config.topic if "{" not in config.topic else base,
             config.kafka,
             on_success=self._on_acked,
             on_failure=self._on_failed,
-            transactional_id=(config.transactional_id or f"kvbridge-{config.topic}")
-            if config.exactly_once
-            else None,
+            transactional_id=txn_id if config.exactly_once else None,
         )
         self.pipeline = Pipeline(
             self.codec, self.sink, self.metrics, track_acks=not config.exactly_once
         )
-        self.checkpoint_topic = config.checkpoint_topic or f"{config.topic}.checkpoints"
+        self.checkpoint_topic = config.checkpoint_topic or f"{base}.checkpoints"
+        self.sink.side_topics.add(self.checkpoint_topic)
         self.committed: dict[tuple[str, int], Checkpoint] = {}
         self._in_transaction = False
         self._lost_reported: set[tuple[str, int, int, int]] = set()
         self.streams: list[StreamSubscriber] = []
+        self.pods: dict[str, PodConfig] = {}  # the pods followed (this shard's), by name
+        self._requests: deque[tuple[str, PodConfig | str, str]] = deque()  # from other threads
+        self._topics_ready: set[str] = set()
+        self._last_epoch: dict[str, int] = {}
         self.listeners: list[SharedListener] = []
         self.limiter = ReplayLimiter(config.max_replays)
         self.reconnect = ReconnectPolicy(
@@ -110,14 +132,45 @@ class Bridge:
             replay_max_attempts=c.replay_attempts,
         )
 
+    def owns(self, pod_name: str) -> bool:
+        """Whether this replica follows ``pod_name`` (rendezvous hashing over the shards)."""
+        c = self.config
+        return shard_of(pod_name, c.shard_count) == c.shard_index
+
+    def _ensure_topic(self, topic: str) -> None:
+        if topic not in self._topics_ready:
+            c = self.config
+            ensure_topic(
+                c.bootstrap_servers,
+                topic,
+                partitions=c.topic_partitions,
+                replication=c.topic_replication,
+                overrides=_admin_props(c.kafka),
+            )
+            self._topics_ready.add(topic)
+
     def open(self) -> None:
         c = self.config
         admin = _admin_props(c.kafka)
-        ensure_topic(c.bootstrap_servers, c.topic, overrides=admin)
+        mine = [p for p in c.pods if self.owns(p.name)]
+        if c.shard_count > 1:
+            log.info(
+                "shard %d of %d: following %d of the %d configured pods",
+                c.shard_index,
+                c.shard_count,
+                len(mine),
+                len(c.pods),
+            )
+        topics = {c.topic_for(p) for p in mine}
+        if "{" not in c.topic:
+            topics.add(c.topic)  # created up front even before a pod is discovered
+        for topic in sorted(topics):
+            self._ensure_topic(topic)
         ensure_topic(
             c.bootstrap_servers,
             self.checkpoint_topic,
             partitions=1,
+            replication=c.topic_replication,
             overrides=admin,
             config={"cleanup.policy": "compact"},
         )
@@ -155,25 +208,116 @@ class Bridge:
                     self.listeners[-1].endpoint,
                     rank,
                 )
-        for pod in c.pods:
-            for rank in range(pod.dp_size):
-                self.streams.append(self._open_stream(pod, rank))
-                pub, replay = pod.pub_endpoint(rank), pod.replay_endpoint(rank)
-                log.info(
-                    "following pod %s rank %d: pub %s, replay %s",
-                    pod.name,
-                    rank,
-                    pub,
-                    replay or "none (gaps cannot be recovered)",
-                )
+        for pod in mine:
+            self._follow(pod)
 
-    def _open_stream(self, pod: PodConfig, rank: int) -> StreamSubscriber:
+    def _follow(self, pod: PodConfig, fresh_epoch: bool = False) -> None:
+        self.pods[pod.name] = pod
+        for rank in range(pod.dp_size):
+            self.streams.append(self._open_stream(pod, rank, fresh_epoch))
+            pub, replay = pod.pub_endpoint(rank), pod.replay_endpoint(rank)
+            log.info(
+                "following pod %s rank %d%s: pub %s, replay %s",
+                pod.name,
+                rank,
+                "" if pod.uid is None else f" (uid {pod.uid})",
+                pub,
+                replay or "none (gaps cannot be recovered)",
+            )
+
+    # -- pods added and removed while running (discovery) ---------------------------------------
+    def add_pod(self, pod: PodConfig) -> bool:
+        """Follow ``pod`` from the next loop turn; callable from any thread. A pod already
+        followed under that name with another uid or endpoints is replaced (PodRemoved, then a
+        new StreamStarted). Returns False if another shard owns it."""
+        if not self.owns(pod.name):
+            return False
+        if pod.pub is None:
+            raise ValueError(f"pod {pod.name}: discovered pods need a pub endpoint")
+        self._ensure_topic(self.config.topic_for(pod))  # blocking: done in the caller's thread
+        self._requests.append(("add", pod, ""))
+        return True
+
+    def remove_pod(self, name: str, reason: str) -> None:
+        """Stop following ``name`` and write PodRemoved for its streams; any thread."""
+        self._requests.append(("remove", name, reason))
+
+    def _serve_requests(self) -> None:
+        while self._requests:
+            op, what, reason = self._requests.popleft()
+            try:
+                if op == "add":
+                    assert isinstance(what, PodConfig)
+                    old = self.pods.get(what.name)
+                    if old == what:
+                        continue
+                    if old is not None:
+                        why = (
+                            f"replaced by a new incarnation (uid {what.uid})"
+                            if old.uid != what.uid
+                            else "replaced: its endpoints changed"
+                        )
+                        self._unfollow(what.name, why)
+                    self._follow(what, fresh_epoch=True)
+                else:
+                    assert isinstance(what, str)
+                    self._unfollow(what, reason)
+            except (KafkaException, Fenced, MemoryError):
+                raise
+            except Exception:
+                self.metrics.internal_errors.labels(str(getattr(what, "name", what))).inc()
+                log.exception("internal error while %sing pod %s; continuing", op, what)
+
+    def _unfollow(self, name: str, reason: str) -> None:
+        pod = self.pods.pop(name, None)
+        if pod is None:
+            return
+        keep = []
+        for s in self.streams:
+            if s.info.pod != name:
+                keep.append(s)
+                continue
+            seq = s.sequencer.last_seq
+            self.pipeline.marker(
+                s.info, s.sequencer.epoch, -1 if seq is None else seq, PodRemoved(reason)
+            )
+            self._last_epoch[name] = max(self._last_epoch.get(name, 0), s.sequencer.epoch)
+            s.sync_metrics()
+            s.close()
+            key = (name, s.info.dp_rank)
+            if self.committed.pop(key, None) is not None or s.info.written is not None:
+                # Forget its checkpoint: a pod of that name later is a new incarnation.
+                self.sink.produce(
+                    checkpoint_key(name, s.info.dp_rank), None, topic=self.checkpoint_topic
+                )
+        self.streams = keep
+        for listener in self.listeners:
+            listener.routes.pop(pod.topic.encode(), None)
+        log.info("pod %s removed: %s", name, reason)
+
+    def _open_stream(
+        self, pod: PodConfig, rank: int, fresh_epoch: bool = False
+    ) -> StreamSubscriber:
         c = self.config
         pub = pod.pub_endpoint(rank)
         replay = pod.replay_endpoint(rank)
         where = pub or f"{self.listeners[rank].endpoint} topic {pod.topic}"
-        info = StreamInfo(pod.name, pod.model, rank, where)
+        topic = c.topic_for(pod)
+        info = StreamInfo(pod.name, pod.model, rank, where, topic=topic, uid=pod.uid)
         cp = self.committed.get((pod.name, rank))
+        if cp is not None and cp.uid != pod.uid:
+            log.info(
+                "pod %s rank %d: checkpoint is of incarnation %s, the pod is %s: starting afresh",
+                pod.name,
+                rank,
+                cp.uid,
+                pod.uid,
+            )
+            cp = None
+        epoch = self._epoch
+        if fresh_epoch:
+            # A pod seen again: a new epoch, after any this bridge gave the pod before.
+            epoch = max(int(time.time() * 1000), self._last_epoch.get(pod.name, 0) + 1)
         sub = StreamSubscriber(
             self.ctx,
             info,
@@ -181,7 +325,7 @@ class Bridge:
             replay,
             pod.topic.encode(),
             self._sequencer_config(replay is not None),
-            self._epoch if cp is None else cp.epoch,
+            epoch if cp is None else cp.epoch,
             self.pipeline,
             self.registry,
             c.rcvhwm,
@@ -212,7 +356,7 @@ class Bridge:
                 continue
             epoch, seq, payload = pos
             digest = None if payload is None else payload_digest(payload)
-            cp = Checkpoint(epoch, seq, digest)
+            cp = Checkpoint(epoch, seq, digest, info.uid)
             self.sink.produce(
                 checkpoint_key(info.pod, info.dp_rank), cp.encode(), topic=self.checkpoint_topic
             )
@@ -250,12 +394,11 @@ class Bridge:
     def _rewind(self) -> None:
         """After an aborted transaction: reopen every stream at its last committed checkpoint
         (vLLM's replay buffer supplies the batches the aborted transaction held)."""
-        pods = {p.name: p for p in self.config.pods}
         old, self.streams = self.streams, []
         for s in old:
             s.close()
         for s in old:
-            self.streams.append(self._open_stream(pods[s.info.pod], s.info.dp_rank))
+            self.streams.append(self._open_stream(self.pods[s.info.pod], s.info.dp_rank))
         self.pipeline.produced = 0
 
     def run(self) -> None:
@@ -270,6 +413,7 @@ class Bridge:
         try:
             while not self.stop.is_set():
                 now = time.monotonic()
+                self.last_turn = now  # for liveness()
                 wait = min(max_poll, max(0.0, next_scan - now))
                 ready = self.poller.poll(int(wait * 1000))
                 now = time.monotonic()
@@ -279,6 +423,8 @@ class Bridge:
                         self._guarded(handler, now)
                 if now >= next_scan:
                     next_scan = self._fire_timers(now)
+                if self._requests:
+                    self._serve_requests()
                 sink.poll(0)
                 if sink.fatal is not None:
                     sink.check_fatal()
@@ -360,6 +506,75 @@ class Bridge:
             self.sink.close()
             self.ctx.term()
 
+    # -- health (/healthz, /readyz; called from the HTTP server's threads) ---------------------
+    LIVENESS_TIMEOUT = 30.0  # the event loop must have turned this recently
+    KAFKA_PROBE_TIMEOUT = 2.0  # a metadata request slower than this: Kafka unreachable
+    KAFKA_PROBE_CACHE = 2.0  # seconds a probe result is reused
+
+    def liveness(self) -> tuple[bool, dict[str, object]]:
+        """Alive while the event loop turns (and while starting, before it runs)."""
+        last = getattr(self, "last_turn", None)
+        if last is None:
+            return True, {"state": "starting"}
+        age = time.monotonic() - last
+        state = "stopping" if self.stop.is_set() else "running"
+        details: dict[str, object] = {"state": state, "loop_turned_seconds_ago": round(age, 3)}
+        if age >= self.LIVENESS_TIMEOUT:
+            details["reason"] = f"the event loop has not turned for {age:.0f}s"
+            return False, details
+        return True, details
+
+    def readiness(self) -> tuple[bool, dict[str, object]]:
+        """Ready when the loop runs, the producer is usable and Kafka answers a metadata
+        request for the checkpoint topic (cached for a few seconds)."""
+        reasons: list[str] = []
+        alive, live = self.liveness()
+        if live["state"] == "starting":
+            reasons.append("starting: the bridge has not finished opening (topics, checkpoints)")
+        elif not alive:
+            reasons.append(str(live["reason"]))
+        if self.sink.fatal is not None:
+            reasons.append(f"the Kafka producer failed fatally: {self.sink.fatal.str()}")
+        if self.stop.is_set():  # the producer may be closed already: do not touch it
+            reasons.append("stopping")
+            kafka = "not checked (stopping)"
+        else:
+            kafka_ok, kafka = self._kafka_probe()
+            if not kafka_ok:
+                reasons.append(f"Kafka is not reachable: {kafka}")
+        streams = list(self.streams)
+        details: dict[str, object] = {
+            "kafka": kafka,
+            "streams": len(streams),
+            "streams_connected": sum(1 for st in streams if getattr(st, "connected", False)),
+        }
+        if reasons:
+            details["reasons"] = reasons
+        return not reasons, details
+
+    def _kafka_probe(self) -> tuple[bool, str]:
+        lock = self.__dict__.setdefault("_probe_lock", threading.Lock())
+        with lock:
+            cached = getattr(self, "_probe_result", None)
+            now = time.monotonic()
+            if cached is not None and now - cached[0] < self.KAFKA_PROBE_CACHE:
+                return cached[1], cached[2]
+            topic = self.checkpoint_topic
+            try:
+                md = self.sink._producer.list_topics(topic, timeout=self.KAFKA_PROBE_TIMEOUT)
+                t = md.topics.get(topic)
+                if t is None or t.error is not None:
+                    ok, what = False, f"topic {topic}: {getattr(t, 'error', None) or 'missing'}"
+                elif any(p.leader < 0 for p in t.partitions.values()):
+                    ok, what = False, f"topic {topic} has a partition without a leader"
+                else:
+                    ok, what = True, f"reachable ({len(md.brokers)} brokers)"
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else exc
+                ok, what = False, f"metadata request failed: {getattr(err, 'str', lambda: err)()}"
+            self._probe_result = (time.monotonic(), ok, what)
+            return ok, what
+
 
 def _raise_fd_limit(wanted: int) -> None:
     """Each stream holds several file descriptors; lift the soft limit toward the hard one."""
@@ -380,9 +595,9 @@ def _raise_fd_limit(wanted: int) -> None:
 
 
 def _admin_props(kafka: dict[str, str]) -> dict[str, str]:
-    """librdkafka properties that also apply to the AdminClient (security, not producer tuning)."""
-    keep = ("security.", "sasl.", "ssl.", "client.id", "socket.", "broker.")
-    return {k: v for k, v in kafka.items() if k.startswith(keep)}
+    """librdkafka properties that also apply to the AdminClient and the checkpoint consumer:
+    all but the producer-only ones (security, networking, client.id, ...)."""
+    return shared_kafka_properties(kafka)
 
 
 __all__ = ["Bridge"]

@@ -64,6 +64,7 @@ class KafkaSink:
             conf["transactional.id"] = transactional_id
             conf.pop("message.timeout.ms", None)  # must not exceed transaction.timeout.ms
         self.topic = topic
+        self.side_topics: set[str] = set()  # e.g. checkpoints: not counted by on_success
         self.transactional_id = transactional_id
         self.fatal: KafkaError | None = None
         self._producer = Producer(conf)
@@ -160,7 +161,7 @@ class KafkaSink:
     def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
         if err is None:
             self.delivered += 1
-            if self._on_success is not None and msg.topic() == self.topic:
+            if self._on_success is not None and msg.topic() not in self.side_topics:
                 self._on_success(msg.key())
             return
         self.failed += 1
@@ -182,6 +183,51 @@ class KafkaSink:
         while True:
             try:
                 self._producer.produce(topic or self.topic, value, key, on_delivery=cb)
+                return
+            except BufferError:
+                self._serve(0.05)
+                self.check_fatal()
+            except KafkaException as exc:
+                self._raise_if_fatal(exc)
+                raise
+
+    def produce_batch(
+        self,
+        key: bytes,
+        values: list[bytes],
+        on_last: Callable[..., None] | None,
+        topic: str | None = None,
+    ) -> None:
+        """Queue a vLLM batch's records in order; only the last one carries a delivery callback
+        (``on_last``; None: no callback at all, e.g. inside a transaction).
+
+        The records share a key, hence a partition, and the producer is idempotent with no
+        message timeout: they are written in order, so the last one's acknowledgement covers
+        the batch, and a Python callback per record (the costliest part of producing) is saved.
+        """
+        produce = self._producer.produce
+        t = topic or self.topic
+        last = len(values) - 1
+        for i, value in enumerate(values):
+            cb = on_last if i == last else None
+            try:
+                if cb is None:
+                    produce(t, value, key)
+                else:
+                    produce(t, value, key, on_delivery=cb)
+            except (BufferError, KafkaException):
+                self._produce_slow(key, value, cb, t)
+
+    def _produce_slow(
+        self, key: bytes, value: bytes, cb: Callable[..., None] | None, topic: str
+    ) -> None:
+        """``produce`` when the fast path failed: wait out a full queue, raise a fatal error."""
+        while True:
+            try:
+                if cb is None:
+                    self._producer.produce(topic, value, key)
+                else:
+                    self._producer.produce(topic, value, key, on_delivery=cb)
                 return
             except BufferError:
                 self._serve(0.05)
@@ -234,17 +280,34 @@ def ensure_topic(
             f"cannot reach Kafka at {bootstrap_servers}: {exc}. Check --bootstrap-servers and that "
             "the broker is up"
         ) from exc
-    if topic not in md.topics:
+    existing = md.topics.get(topic)
+    if existing is not None and existing.error is None and len(existing.partitions) < partitions:
+        log.warning(
+            "topic %s exists with %d partitions, fewer than topic_partitions=%d; not changing "
+            "it (add partitions with kafka-topics --alter; keys then map to other partitions)",
+            topic,
+            len(existing.partitions),
+            partitions,
+        )
+    if existing is None:
         new = NewTopic(topic, partitions, replication, config=config or {})
         fut = admin.create_topics([new])[topic]
         try:
             fut.result(timeout=timeout)
             created = True
+            log.info(
+                "created topic %s (%d partitions, replication %s)",
+                topic,
+                partitions,
+                "broker default" if replication == -1 else replication,
+            )
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise RuntimeError(
-                    f"Kafka refused to create topic {topic!r} ({partitions} partitions, "
-                    f"replication {replication}): {exc.args[0].str()}"
+                    f"Kafka refused to create topic {topic!r} with topic_partitions={partitions}, "
+                    f"topic_replication={replication}: {exc.args[0].str()}. Set "
+                    "--topic-partitions/--topic-replication (replication cannot exceed the number "
+                    "of brokers; -1 = the broker's default), or create the topic yourself"
                 ) from exc
     while time.monotonic() < deadline:
         t = admin.list_topics(topic, timeout=5).topics.get(topic)

@@ -1,41 +1,119 @@
-"""Per-pod prefix-cache state rebuilt from kv-events records.
+"""Per-pod prefix-cache state rebuilt from kv-events records (pure: no I/O but snapshot files).
 
 State is kept per stream (pod, dp_rank) and, inside it, per (medium, group_idx): the
-resident block hashes, each with the parent hash BlockStored gave for it. Stores are
-idempotent, removes of unknown hashes are no-ops (vLLM emits both), AllBlocksCleared
-and restart markers empty the stream, EventsLost marks it uncertain.
+resident block hashes, each with the parent hash BlockStored gave for it. Rules:
+
+* BlockStored is idempotent (a duplicate store only refreshes the parent link);
+* BlockRemoved of a hash that is not resident is a no-op (vLLM emits such removes);
+* AllBlocksCleared empties every tier of the stream;
+* StreamStarted and PublisherRestarted drop the stream's state (a new incarnation, or a
+  bridge that starts following from scratch: the records that follow rebuild it);
+* EventsLost marks the stream *uncertain*: what the lost batches did is unknown. A later
+  AllBlocksCleared, or a restart marker, makes it certain again;
+* PodRemoved forgets every stream of the pod;
+* an event record at or before the stream's last applied (epoch, seq, index) is a
+  duplicate (at-least-once delivery, or an overlap after a snapshot) and is skipped.
+
+Prefix queries use vLLM's 64-bit keys (:func:`bridge.events.key64`): each stream keeps,
+per medium, a refcount of the resident blocks' keys, so a query costs O(len(keys)) per
+stream whatever the number of resident blocks. For 8-byte hashes (vLLM's default integer
+mode) the index key is the very bytes object of the tier, so it costs no extra object.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, key64
+from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored
 from bridge.markers import EventsLost, PodRemoved, PublisherRestarted, StreamStarted
 from bridge.records import Record
 
 Tier = tuple[str | None, int | None]  # (medium, group_idx)
+SNAPSHOT_FORMAT = "kvbridge-state-snapshot"
+SNAPSHOT_VERSION = 1
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot file that cannot be read."""
 
 
 @dataclass(slots=True)
 class StreamState:
+    """One (pod, dp_rank): its resident blocks per tier, position and certainty."""
+
     epoch: int | None = None
     last_seq: int | None = None
     uncertain: bool = False
     lost_batches: int = 0
     tiers: dict[Tier, dict[bytes, bytes | None]] = field(default_factory=dict)
+    # medium -> {last 8 bytes of a resident hash: how many resident blocks of that medium
+    # (all groups) have that key}. Maintained by CacheState; read by prefix_match.
+    index: dict[str | None, dict[bytes, int]] = field(default_factory=dict)
+    last_index: int = -1  # index of the last applied event within batch last_seq
+    cleared_at: int = -1  # seq of the last AllBlocksCleared in this epoch
+    lost_to: int = -1  # highest seq reported lost in this epoch
 
     def blocks(self) -> int:
         return sum(len(t) for t in self.tiers.values())
 
+    def reset(self) -> None:
+        """Forget the blocks and the position (a new incarnation or a fresh start)."""
+        self.tiers.clear()
+        self.index.clear()
+        self.uncertain = False
+        self.last_seq = None
+        self.last_index = -1
+        self.cleared_at = -1
+        self.lost_to = -1
+
+    def store(self, tier_key: Tier, hashes: list[bytes], parent: bytes | None) -> None:
+        tier = self.tiers.get(tier_key)
+        if tier is None:
+            tier = self.tiers[tier_key] = {}
+        medium = tier_key[0]
+        idx = self.index.get(medium)
+        if idx is None:
+            idx = self.index[medium] = {}
+        for h in hashes:
+            if h not in tier:
+                k = h[-8:]
+                idx[k] = idx.get(k, 0) + 1
+            tier[h] = parent
+            parent = h
+
+    def remove(self, tier_key: Tier, hashes: list[bytes]) -> None:
+        tier = self.tiers.get(tier_key)
+        if not tier:
+            return
+        idx = self.index[tier_key[0]]
+        for h in hashes:
+            if h in tier:
+                del tier[h]
+                k = h[-8:]
+                n = idx[k] - 1
+                if n:
+                    idx[k] = n
+                else:
+                    del idx[k]
+
+    def clear(self) -> None:
+        self.tiers.clear()
+        self.index.clear()
+
 
 class CacheState:
+    """Every stream's state; feed it records in topic order with :meth:`apply`."""
+
     def __init__(self) -> None:
         self.streams: dict[tuple[str, int], StreamState] = {}
         self.models: dict[str, str] = {}
         self.applied = 0
+        self.duplicates = 0
         self.markers: Counter[str] = Counter()
 
     def apply(self, rec: Record) -> None:
@@ -44,39 +122,53 @@ class CacheState:
         st = self.streams.get(key)
         if st is None:
             st = self.streams[key] = StreamState()
-        self.models[env.pod] = env.model
+        if self.models.get(env.pod) != env.model:
+            self.models[env.pod] = env.model
+        if env.index >= 0:
+            if (
+                st.epoch == env.epoch
+                and st.last_seq is not None
+                and (env.seq, env.index) <= (st.last_seq, st.last_index)
+            ):
+                self.duplicates += 1
+                return
+            self.applied += 1
+            if type(ev) is BlockStored:
+                st.store((ev.medium, ev.group_idx), ev.block_hashes, ev.parent_block_hash)
+            elif type(ev) is BlockRemoved:
+                st.remove((ev.medium, ev.group_idx), ev.block_hashes)
+            elif type(ev) is AllBlocksCleared:
+                st.clear()
+                st.cleared_at = env.seq
+                if st.lost_to < env.seq:
+                    st.uncertain = False
+            st.epoch = env.epoch
+            st.last_seq = env.seq
+            st.last_index = env.index
+            return
         self.applied += 1
-        if isinstance(ev, BlockStored):
-            tier = st.tiers.setdefault((ev.medium, ev.group_idx), {})
-            parent = ev.parent_block_hash
-            for h in ev.block_hashes:
-                tier[h] = parent
-                parent = h
-        elif isinstance(ev, BlockRemoved):
-            tier = st.tiers.get((ev.medium, ev.group_idx))
-            if tier:
-                for h in ev.block_hashes:
-                    tier.pop(h, None)
-        elif isinstance(ev, AllBlocksCleared):
-            st.tiers.clear()
-        elif isinstance(ev, StreamStarted | PublisherRestarted):
-            self.markers[type(ev).__name__] += 1
-            st.tiers.clear()
-            st.uncertain = False
+        self.markers[type(ev).__name__] += 1
+        if isinstance(ev, StreamStarted | PublisherRestarted):
+            st.reset()
+            st.epoch = env.epoch
+            # Following from a later seq than 0 (first contact "live"): what the earlier
+            # batches stored is unknown.
+            if isinstance(ev, StreamStarted) and ev.next_seq > 0:
+                st.uncertain = True
         elif isinstance(ev, EventsLost):
-            self.markers["EventsLost"] += 1
-            st.uncertain = True
             st.lost_batches += ev.to_seq - ev.from_seq + 1
+            if st.epoch != env.epoch:
+                st.epoch = env.epoch
+            # A loss entirely before a later clear (in this epoch) changed nothing that is left.
+            if ev.to_seq >= st.cleared_at:
+                st.uncertain = True
+                st.lost_to = max(st.lost_to, ev.to_seq)
         elif isinstance(ev, PodRemoved):
-            self.markers["PodRemoved"] += 1
             for k in [k for k in self.streams if k[0] == env.pod]:
                 del self.streams[k]
-            return
-        st.epoch = env.epoch
-        if env.index >= 0:
-            st.last_seq = env.seq
 
     def resident(self, pod: str, dp_rank: int) -> dict[Tier, set[bytes]]:
+        """The resident hashes of one stream per tier (empty tiers left out)."""
         st = self.streams.get((pod, dp_rank))
         if st is None:
             return {}
@@ -87,22 +179,32 @@ class CacheState:
     ) -> dict[tuple[str, int], int]:
         """For a request's block hashes in order (as vLLM's 64-bit keys), how many leading
         blocks each stream holds: what a KV-aware router asks. ``medium`` limits the tiers
-        (e.g. "GPU"); None counts every tier."""
+        (e.g. "GPU"); None counts a block resident in any tier. O(len(keys)) per stream."""
+        raw = [(k % (1 << 64)).to_bytes(8, "big") for k in keys]
         out = {}
         for key, st in self.streams.items():
-            resident = {
-                key64(h)
-                for (m, _), blocks in st.tiers.items()
-                if medium is None or m == medium
-                for h in blocks
-            }
+            if medium is None:
+                indexes = [i for i in st.index.values() if i]
+            else:
+                i = st.index.get(medium)
+                indexes = [i] if i else []
             n = 0
-            for k in keys:
-                if k not in resident:
-                    break
-                n += 1
+            if len(indexes) == 1:
+                idx = indexes[0]
+                for k in raw:
+                    if k not in idx:
+                        break
+                    n += 1
+            elif indexes:
+                for k in raw:
+                    if not any(k in idx for idx in indexes):
+                        break
+                    n += 1
             out[key] = n
         return out
+
+    def resident_blocks(self) -> int:
+        return sum(st.blocks() for st in self.streams.values())
 
     def summary(self) -> dict[str, Any]:
         pods = []
@@ -120,9 +222,15 @@ class CacheState:
                     "lost_batches": st.lost_batches,
                 }
             )
-        return {"records_applied": self.applied, "markers": dict(self.markers), "streams": pods}
+        return {
+            "records_applied": self.applied,
+            "duplicates_skipped": self.duplicates,
+            "markers": dict(self.markers),
+            "streams": pods,
+        }
 
     def to_json(self) -> dict[str, Any]:
+        """:meth:`summary` plus every tier's resident hashes (hex, sorted)."""
         out = self.summary()
         for entry in out["streams"]:
             st = self.streams[(entry["pod"], entry["dp_rank"])]
@@ -132,16 +240,121 @@ class CacheState:
                     "group_idx": group,
                     "blocks": sorted(h.hex() for h in blocks),
                 }
-                for (medium, group), blocks in sorted(
-                    st.tiers.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))
-                )
+                for (medium, group), blocks in sorted(st.tiers.items(), key=_tier_order)
                 if blocks
             ]
         return out
+
+    # --- snapshots -------------------------------------------------------------------------
+
+    def snapshot(self, topic: str, offsets: dict[int, int]) -> dict[str, Any]:
+        """A JSON document of the whole state, the topic and the per-partition next offsets it
+        reflects (the records below those offsets are applied, none at or after)."""
+        streams = []
+        for (pod, rank), st in sorted(self.streams.items()):
+            streams.append(
+                {
+                    "pod": pod,
+                    "model": self.models.get(pod),
+                    "dp_rank": rank,
+                    "epoch": st.epoch,
+                    "last_seq": st.last_seq,
+                    "last_index": st.last_index,
+                    "uncertain": st.uncertain,
+                    "lost_batches": st.lost_batches,
+                    "cleared_at": st.cleared_at,
+                    "lost_to": st.lost_to,
+                    "tiers": [
+                        {
+                            "medium": medium,
+                            "group_idx": group,
+                            # [hash, parent] in insertion order (hex; parent null when unknown)
+                            "blocks": [
+                                [h.hex(), None if p is None else p.hex()] for h, p in blocks.items()
+                            ],
+                        }
+                        for (medium, group), blocks in sorted(st.tiers.items(), key=_tier_order)
+                        if blocks
+                    ],
+                }
+            )
+        return {
+            "format": SNAPSHOT_FORMAT,
+            "version": SNAPSHOT_VERSION,
+            "topic": topic,
+            "offsets": {str(p): o for p, o in sorted(offsets.items())},
+            "records_applied": self.applied,
+            "markers": dict(self.markers),
+            "models": dict(sorted(self.models.items())),
+            "streams": streams,
+        }
+
+    def save(self, path: str | Path, topic: str, offsets: dict[int, int]) -> None:
+        """Write :meth:`snapshot` to ``path`` atomically (a temporary file, then rename)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.snapshot(topic, offsets), f, separators=(",", ":"))
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_snapshot(cls, doc: dict[str, Any]) -> tuple[CacheState, str, dict[int, int]]:
+        """(state, topic, next offsets) from a :meth:`snapshot` document."""
+        if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT:
+            raise SnapshotError("not a kvbridge state snapshot (written by replay --snapshot)")
+        if doc.get("version") != SNAPSHOT_VERSION:
+            raise SnapshotError(
+                f"snapshot version {doc.get('version')!r} is not supported (this kvbridge "
+                f"reads version {SNAPSHOT_VERSION}); rebuild it with this version's replay"
+            )
+        try:
+            state = cls()
+            state.applied = int(doc.get("records_applied", 0))
+            state.markers.update(doc.get("markers", {}))
+            state.models.update(doc.get("models", {}))
+            for s in doc["streams"]:
+                st = StreamState(
+                    epoch=s["epoch"],
+                    last_seq=s["last_seq"],
+                    uncertain=bool(s["uncertain"]),
+                    lost_batches=int(s["lost_batches"]),
+                    last_index=int(s.get("last_index", -1)),
+                    cleared_at=int(s.get("cleared_at", -1)),
+                    lost_to=int(s.get("lost_to", -1)),
+                )
+                for t in s["tiers"]:
+                    tier_key = (t["medium"], t["group_idx"])
+                    for h, p in t["blocks"]:
+                        st.store(
+                            tier_key, [bytes.fromhex(h)], None if p is None else bytes.fromhex(p)
+                        )
+                state.streams[(s["pod"], int(s["dp_rank"]))] = st
+            offsets = {int(p): int(o) for p, o in doc["offsets"].items()}
+            topic = str(doc["topic"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SnapshotError(f"snapshot is damaged: {type(exc).__name__}: {exc}") from None
+        return state, topic, offsets
+
+    @classmethod
+    def load(cls, path: str | Path) -> tuple[CacheState, str, dict[int, int]]:
+        """Read a snapshot file written by :meth:`save`: (state, topic, next offsets)."""
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except FileNotFoundError:
+            raise SnapshotError(f"snapshot file {str(path)!r} does not exist") from None
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SnapshotError(f"cannot read snapshot {str(path)!r}: {exc}") from None
+        return cls.from_snapshot(doc)
+
+
+def _tier_order(kv: tuple[Tier, Any]) -> tuple[str, str]:
+    return (str(kv[0][0]), str(kv[0][1]))
 
 
 def _by_medium(st: StreamState) -> dict[str, int]:
     out: Counter[str] = Counter()
     for (medium, _), blocks in st.tiers.items():
-        out[str(medium)] += len(blocks)
+        if blocks:
+            out[str(medium)] += len(blocks)
     return dict(out)

@@ -103,7 +103,8 @@ def test_crc64_avro_known_value():
     "value, needle",
     [
         (b"", "single-object"),
-        (b"\x00\x01" + bytes(20), "single-object"),
+        (b"\x07\x01" + bytes(20), "single-object"),
+        (b"\x00\x01" + bytes(20), "schema-registry-url"),  # Confluent framing, no registry
         (b"\xc3\x01" + bytes(8) + b"\x00", "unknown schema"),
     ],
 )

@@ -162,13 +162,15 @@ _CONVERTERS: dict[str, _Converter] = {
 class _Shape:
     """How to decode one known event type: field names/converters in array order."""
 
-    __slots__ = ("cls", "names", "converters", "required", "known")
+    __slots__ = ("cls", "names", "converters", "pairs", "required", "required_names", "known")
 
     def __init__(self, cls: type, names: tuple[str, ...], required: int) -> None:
         self.cls = cls
         self.names = names
         self.converters = tuple(_CONVERTERS[n] for n in names)
+        self.pairs = tuple(zip(names, self.converters, strict=True))
         self.required = required  # the first `required` fields must be present
+        self.required_names = names[:required]
         self.known = frozenset(names) | {"type"}
 
 
@@ -181,6 +183,18 @@ _SHAPES: dict[str, _Shape] = {
 
 
 def _from_array(shape: _Shape, ev: list[Any]) -> VllmEvent:
+    """Fast path: no unknown trailing elements and every value valid (else the exact error)."""
+    if shape.required < len(ev) <= len(shape.names) + 1:
+        try:
+            values = [conv(v) for conv, v in zip(shape.converters, ev[1:], strict=False)]
+        except _Invalid:
+            pass
+        else:
+            return shape.cls(*values)
+    return _from_array_checked(shape, ev)
+
+
+def _from_array_checked(shape: _Shape, ev: list[Any]) -> VllmEvent:
     names = shape.names
     n = len(ev)
     if n - 1 < shape.required:
@@ -201,6 +215,22 @@ def _from_array(shape: _Shape, ev: list[Any]) -> VllmEvent:
 
 
 def _from_map(shape: _Shape, ev: dict[Any, Any]) -> VllmEvent:
+    """Fast path: only known keys and every value valid (else the exact error)."""
+    if ev.keys() <= shape.known:
+        get = ev.get
+        try:
+            values = [conv(get(name)) for name, conv in shape.pairs]
+        except _Invalid:
+            pass
+        else:
+            for name in shape.required_names:
+                if name not in ev:
+                    raise _Invalid(f"missing required field {name!r}")
+            return shape.cls(*values)
+    return _from_map_checked(shape, ev)
+
+
+def _from_map_checked(shape: _Shape, ev: dict[Any, Any]) -> VllmEvent:
     kwargs: dict[str, Any] = {}
     for k, (name, conv) in enumerate(zip(shape.names, shape.converters, strict=True)):
         if name in ev:
@@ -325,13 +355,15 @@ def decode_batch(payload: bytes) -> EventBatch:
     ts = _ts(ts)
     if type(events) is not list:
         raise DecodeError(f"envelope: field 'events': expected array, got {_kind(events)}")
-    out: list[VllmEvent] = []
-    append = out.append
-    for i, ev in enumerate(events):
-        try:
-            append(_event(ev))
-        except _Invalid as exc:
-            tag = _tag_of(ev)
-            where = f"event {i} ({tag})" if tag else f"event {i}"
-            raise DecodeError(f"{where}: {exc}") from None
+    try:
+        out = [_event(ev) for ev in events]
+    except _Invalid:
+        for i, ev in enumerate(events):  # find which event, for the message
+            try:
+                _event(ev)
+            except _Invalid as exc:
+                tag = _tag_of(ev)
+                where = f"event {i} ({tag})" if tag else f"event {i}"
+                raise DecodeError(f"{where}: {exc}") from None
+        raise  # unreachable: decoding is deterministic
     return EventBatch(ts=ts, events=out, dp_rank=dp_rank, extra=extra)

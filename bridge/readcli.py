@@ -1,0 +1,426 @@
+"""`kvbridge consume` and `kvbridge replay`: reading the topic from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from datetime import datetime
+from typing import Any, TextIO
+
+from bridge.cliargs import add_kafka_args, kafka_target, record_codec
+from bridge.config import ConfigError, parse_duration
+
+log = logging.getLogger("kvbridge")
+
+CONSUME_DESCRIPTION = """\
+Print the topic's records as JSON lines, each with its Kafka coordinates (partition, offset,
+timestamp), the stream it belongs to (pod, dp_rank, epoch, seq, index) and the event.
+
+  kvbridge consume --from-beginning --pod pod-a --type EventsLost
+  kvbridge consume --from-timestamp 2026-12-02T16:00:00Z --to-timestamp 2026-12-02T16:05:00Z
+  kvbridge consume --from-offset 0:1200,1:800 --to-offset 0:1300
+  kvbridge consume --group my-tool --follow     # resume where my-tool stopped; commit progress
+"""
+
+REPLAY_DESCRIPTION = """\
+Rebuild every (pod, DP rank) stream's prefix-cache state from the topic: the resident block
+hashes per (medium, group_idx) with their parent links. Stores are idempotent, removes of
+unknown hashes are ignored, AllBlocksCleared empties a stream, StreamStarted and
+PublisherRestarted markers drop its state, EventsLost marks it UNCERTAIN, PodRemoved forgets
+the pod. Prints a summary (default), the full state (--json), or the longest cached prefix of
+a request per pod (--query); --snapshot also saves the state with the offsets it reflects.
+
+  kvbridge replay                                            # whole topic, summary per pod
+  kvbridge replay --to-timestamp 2026-12-02T16:00:00Z --snapshot state.json
+  kvbridge replay --from-snapshot state.json                 # continue where it stopped
+  kvbridge replay --from-snapshot state.json --snapshot state.json   # ... and move it on
+  kvbridge replay --query 12345,67890,0x1f2e3d4c5b6a7988 --medium GPU
+  kvbridge replay --from-offset 3:5000 --to-offset 3:9000 --pod pod-a --json
+
+Offsets: N (with --partition P) or P:N,P:N per partition. Times: ISO 8601 with a timezone
+(2026-12-02T16:00:00Z), milliseconds since the epoch, or a duration ago (-10m, -1h30m).
+Starting anywhere but the beginning (or a snapshot) sees only what changed since: blocks
+stored earlier are missing. A progress bar goes to stderr when it is a terminal.
+"""
+
+
+def configure_reader_parser(p: argparse.ArgumentParser, name: str) -> None:
+    """The options of `consume` (name="consume") or `replay` (name="replay")."""
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = CONSUME_DESCRIPTION if name == "consume" else REPLAY_DESCRIPTION
+    add_kafka_args(p)
+    where = p.add_argument_group("where to start (one of)").add_mutually_exclusive_group()
+    where.add_argument(
+        "--from-beginning", action="store_true", help="start at the beginning (default)"
+    )
+    where.add_argument("--from-end", action="store_true", help="start at the end (with --follow)")
+    where.add_argument(
+        "--from-offset",
+        metavar="OFFSETS",
+        help="start at offset N of --partition P, or at P:N,P:N (only the partitions named)",
+    )
+    where.add_argument(
+        "--from-timestamp",
+        metavar="TIME",
+        help="start at the first record at/after TIME, in every partition",
+    )
+    if name == "replay":
+        where.add_argument(
+            "--from-snapshot",
+            metavar="FILE",
+            help="load a state saved with --snapshot, then continue from the offsets it reflects",
+        )
+    where.add_argument(
+        "--from-committed",
+        action="store_true",
+        help="start at --group's committed offsets (the default when --group is given)",
+    )
+    stop = p.add_argument_group("where to stop (default: the end when reading began)")
+    stop.add_argument(
+        "--to-offset",
+        metavar="OFFSETS",
+        help="stop after offset N (of --partition P, else of every partition), or P:N,P:N",
+    )
+    stop.add_argument(
+        "--to-timestamp", metavar="TIME", help="stop after the last record at or before TIME"
+    )
+    stop.add_argument(
+        "--follow", action="store_true", help="keep reading new records (Ctrl-C stops)"
+    )
+    p.add_argument("--partition", type=int, metavar="P", help="partition of --from/--to-offset N")
+    p.add_argument("--pod", action="append", default=[], help="only these pods (repeatable)")
+    p.add_argument(
+        "--group",
+        metavar="ID",
+        help="consumer group: start at its committed offsets and commit what was read (at "
+        "the end, and every 5 s with --follow)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"])
+    if name == "consume":
+        p.add_argument(
+            "--type",
+            action="append",
+            default=[],
+            metavar="TYPE",
+            help="only these event/marker types, e.g. BlockStored, EventsLost (repeatable)",
+        )
+        p.add_argument("--max", type=int, metavar="N", help="stop after N records")
+        return
+    out = p.add_argument_group("output (default: a summary per pod and rank)")
+    out.add_argument(
+        "--json", action="store_true", help="print the full state (every block) as JSON"
+    )
+    out.add_argument(
+        "--query",
+        metavar="HASHES",
+        help="a request's block hashes in order, comma-separated (decimal 64-bit keys as "
+        "vLLM sends them, or hex digests/keys with 0x); prints the longest cached prefix "
+        "per pod and rank",
+    )
+    out.add_argument("--medium", help="with --query: only this tier, e.g. GPU")
+    out.add_argument(
+        "--snapshot",
+        metavar="FILE",
+        help="also save the state and the offsets it reflects (continue with --from-snapshot)",
+    )
+    out.add_argument(
+        "--progress",
+        choices=["auto", "bar", "log", "off"],
+        default="auto",
+        help="progress on stderr: a bar on a terminal, a log line every 10 s otherwise (auto)",
+    )
+
+
+def parse_time(text: str, flag: str = "--from-timestamp") -> int:
+    """Milliseconds since the epoch from ISO 8601 (with a timezone), ms, or -DURATION (ago)."""
+    t = text.strip()
+    if t.isdigit():
+        return int(t)
+    if t.startswith("-"):
+        try:
+            return int((time.time() - parse_duration(t[1:])) * 1000)
+        except ValueError:
+            pass
+    try:
+        dt = datetime.fromisoformat(t.replace("Z", "+00:00"))
+    except ValueError:
+        raise ConfigError(
+            f"{flag} {text!r}: expected ISO 8601 (2026-12-02T16:00:00Z), ms since the epoch, "
+            "or a duration ago (-10m)"
+        ) from None
+    if dt.tzinfo is None:
+        raise ConfigError(f"{flag} {text!r}: add a timezone, e.g. Z or +00:00")
+    return int(dt.timestamp() * 1000)
+
+
+def parse_offsets(text: str, partition: int | None, flag: str) -> dict[int, int] | int:
+    """``N`` (of ``partition``, or of every partition when None: returned as an int) or
+    ``P:N,P:N`` ({partition: offset})."""
+    t = text.strip()
+    try:
+        if ":" not in t:
+            n = int(t)
+            if n < 0:
+                raise ValueError
+            return n if partition is None else {partition: n}
+        out: dict[int, int] = {}
+        for part in filter(None, (x.strip() for x in t.split(","))):
+            p, _, n = part.partition(":")
+            if int(p) < 0 or int(n) < 0:
+                raise ValueError
+            out[int(p)] = int(n)
+        if not out:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(
+            f"{flag} {text!r}: expected an offset N (with --partition P) or P:N,P:N, all >= 0"
+        ) from None
+    if partition is not None:
+        raise ConfigError(f"{flag} {text!r} names its partitions: drop --partition")
+    return out
+
+
+def reader_args(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(TopicReader, StartAt, StopAt | None) from the consume/replay options."""
+    from bridge.consumer import StartAt, StopAt, TopicReader
+
+    bootstrap, topic, overrides = kafka_target(args)
+    if args.from_offset is not None:
+        offsets = parse_offsets(args.from_offset, args.partition, "--from-offset")
+        if isinstance(offsets, int):
+            raise ConfigError("--from-offset N needs --partition P (offsets are per partition)")
+        start = StartAt.at_offsets(offsets)
+    elif args.from_timestamp:
+        start = StartAt.at_timestamp(parse_time(args.from_timestamp, "--from-timestamp"))
+    elif args.from_end:
+        start = StartAt.end()
+    elif args.from_committed or (args.group and not args.from_beginning):
+        if not args.group:
+            raise ConfigError("--from-committed needs --group ID")
+        start = StartAt.committed()
+    else:
+        start = StartAt.beginning()
+    stop_offsets: dict[int, int] | None = None
+    to_all: int | None = None
+    if args.to_offset is not None:
+        parsed = parse_offsets(args.to_offset, args.partition, "--to-offset")
+        if isinstance(parsed, int):
+            to_all = parsed
+        else:
+            stop_offsets = parsed
+    to_ts = parse_time(args.to_timestamp, "--to-timestamp") if args.to_timestamp else None
+    stop = None
+    if stop_offsets or to_all is not None or to_ts is not None:
+        stop = StopAt(offsets=stop_offsets, timestamp_ms=to_ts, offset=to_all)
+    reader = TopicReader(bootstrap, topic, overrides, group_id=args.group, codec=record_codec(args))
+    return reader, start, stop
+
+
+class Progress:
+    """Records/s and % of the offsets to read, on stderr: a bar on a terminal, else log lines."""
+
+    def __init__(self, reader: Any, mode: str = "auto", stream: TextIO | None = None) -> None:
+        self.reader = reader
+        self.stream = stream or sys.stderr
+        if mode == "auto":
+            mode = "bar" if self.stream.isatty() else "log"
+        self.mode = mode
+        self.interval = 0.2 if mode == "bar" else 10.0
+        self.started = time.monotonic()
+        self.last = self.started
+        self.n = 0
+        self.drawn = False
+
+    def tick(self) -> None:
+        self.n += 1
+        if self.mode == "off" or self.n & 255:
+            return
+        now = time.monotonic()
+        if now - self.last >= self.interval:
+            self.last = now
+            self.show(now)
+
+    def line(self, now: float) -> str:
+        rate = self.n / max(now - self.started, 1e-9)
+        done, total = self.reader.progress()
+        if total:
+            pct = min(100.0, 100.0 * done / total)
+            width = 30
+            fill = int(width * pct / 100)
+            bar = "#" * fill + "-" * (width - fill)
+            return f"[{bar}] {pct:5.1f}%  {self.n:,} records  {rate:,.0f} rec/s"
+        return f"{self.n:,} records  {rate:,.0f} rec/s"
+
+    def show(self, now: float) -> None:
+        if self.mode == "bar":
+            self.stream.write("\r" + self.line(now) + "\x1b[K")
+            self.stream.flush()
+            self.drawn = True
+        elif self.mode == "log":
+            log.info("replay: %s", self.line(now))
+
+    def done(self) -> None:
+        if self.mode == "bar" and self.drawn:
+            self.show(time.monotonic())
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def cmd_consume(args: argparse.Namespace) -> int:
+    from bridge.jsonview import event_to_json
+
+    reader, start, stop = reader_args(args)
+    pods, types = set(args.pod), set(args.type)
+    n = 0
+    out = sys.stdout
+    last_commit = time.monotonic()
+    with reader:
+        try:
+            for cr in reader.read(start, follow=args.follow, stop=stop):
+                env, ev = cr.record.envelope, cr.record.event
+                name = type(ev).__name__
+                if args.group and args.follow and time.monotonic() - last_commit >= 5.0:
+                    out.flush()
+                    reader.commit(asynchronous=True)
+                    last_commit = time.monotonic()
+                if (pods and env.pod not in pods) or (types and name not in types):
+                    continue
+                line = {
+                    "partition": cr.partition,
+                    "offset": cr.offset,
+                    "timestamp": cr.timestamp_ms,
+                    "pod": env.pod,
+                    "model": env.model,
+                    "dp_rank": env.dp_rank,
+                    "epoch": env.epoch,
+                    "seq": env.seq,
+                    "index": env.index,
+                    "ts": env.ts,
+                    "type": name,
+                    "event": event_to_json(ev),
+                }
+                if env.batch_extra:
+                    line["batch_extra"] = {k: v.hex() for k, v in env.batch_extra.items()}
+                out.write(json.dumps(line) + "\n")
+                n += 1
+                if args.max is not None and n >= args.max:
+                    break
+        except KeyboardInterrupt:
+            if not args.follow:
+                raise
+        out.flush()
+        if args.group:
+            reader.commit()
+        if reader.skipped:
+            log.warning("%d records could not be read and were skipped", reader.skipped)
+    return 0
+
+
+def parse_query(text: str) -> list[int]:
+    """Block hashes as vLLM's 64-bit keys: decimal ints, or hex (0x...) of a key or a digest
+    (a digest's key is its last 8 bytes, as in vLLM's integer mode)."""
+    keys = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            if part.lower().startswith("0x"):
+                raw = bytes.fromhex(part[2:].rjust(16, "0") if len(part) <= 18 else part[2:])
+                keys.append(int.from_bytes(raw[-8:], "big"))
+            else:
+                keys.append(int(part) % (1 << 64))
+        except ValueError:
+            raise ConfigError(
+                f"--query: {part!r} is not a block hash; give decimal keys (as vLLM sends them) "
+                "or hex with 0x, separated by commas"
+            ) from None
+    if not keys:
+        raise ConfigError("--query needs at least one block hash")
+    return keys
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from bridge.consumer import StartAt
+    from bridge.state import CacheState, SnapshotError
+
+    keys = parse_query(args.query) if args.query is not None else None
+    state = CacheState()
+    snap_offsets: dict[int, int] = {}
+    if args.from_snapshot:
+        try:
+            state, snap_topic, snap_offsets = CacheState.load(args.from_snapshot)
+        except SnapshotError as exc:
+            raise ConfigError(str(exc)) from None
+        _, topic, _ = kafka_target(args)
+        if args.topic and args.topic != snap_topic:
+            raise ConfigError(
+                f"snapshot {args.from_snapshot} reflects topic {snap_topic!r}, not {args.topic!r}"
+            )
+        args.topic = snap_topic
+    reader, start, stop = reader_args(args)
+    pods = set(args.pod)
+    progress = Progress(reader, args.progress)
+    last_commit = time.monotonic()
+    with reader:
+        if args.from_snapshot:
+            offsets = dict(snap_offsets)
+            for p in reader.partitions():
+                offsets.setdefault(p, -2)  # a partition added since: from its beginning
+            start = StartAt.at_offsets(offsets)
+        try:
+            for cr in reader.read(start, follow=args.follow, stop=stop):
+                progress.tick()
+                if pods and cr.record.envelope.pod not in pods:
+                    continue
+                state.apply(cr.record)
+                if args.group and args.follow and time.monotonic() - last_commit >= 5.0:
+                    reader.commit(asynchronous=True)
+                    last_commit = time.monotonic()
+        except KeyboardInterrupt:
+            if not args.follow:
+                raise
+        finally:
+            progress.done()
+        if args.group:
+            reader.commit()
+        if reader.skipped:
+            log.warning("%d records could not be read and were skipped", reader.skipped)
+        if args.snapshot:
+            offsets = {p: o for p, o in snap_offsets.items() if o >= 0}
+            offsets.update(reader.next_offsets)
+            state.save(args.snapshot, reader.topic, offsets)
+            log.info(
+                "snapshot %s: %d streams, %d blocks, offsets %s",
+                args.snapshot,
+                len(state.streams),
+                state.resident_blocks(),
+                ",".join(f"{p}:{o}" for p, o in sorted(offsets.items())),
+            )
+    if keys is not None:
+        matches = state.prefix_match(keys, args.medium)
+        ranked = sorted(matches.items(), key=lambda kv: (-kv[1], kv[0]))
+        print(f"{'pod':<20} {'rank':>4} {'prefix':>7} of {len(keys)} blocks")
+        for (pod, rank), n in ranked:
+            flag = "  UNCERTAIN" if state.streams[(pod, rank)].uncertain else ""
+            print(f"{pod:<20} {rank:>4} {n:>7}{flag}")
+        return 0
+    if args.json:
+        json.dump(state.to_json(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    s = state.summary()
+    print(
+        f"records applied: {s['records_applied']}   duplicates skipped: "
+        f"{s['duplicates_skipped']}   markers: {s['markers'] or 'none'}"
+    )
+    print(f"{'pod':<20} {'rank':>4} {'epoch':>14} {'last_seq':>9} {'blocks':>8}  by medium / notes")
+    for e in s["streams"]:
+        notes = ", ".join(f"{k}={v}" for k, v in e["blocks_by_medium"].items())
+        if e["uncertain"]:
+            notes += f"  UNCERTAIN ({e['lost_batches']} batches lost)"
+        last = "-" if e["last_seq"] is None else e["last_seq"]
+        row = f"{e['pod']:<20} {e['dp_rank']:>4} {e['epoch']!s:>14} {last!s:>9} {e['blocks']:>8}"
+        print(f"{row}  {notes}")
+    return 0

@@ -1,0 +1,290 @@
+"""The compacted kv-state topic as pure logic: which records a kv-events record implies.
+
+kv-state mirrors a :class:`~bridge.state.CacheState` as one Kafka record per fact, so that
+compaction keeps exactly the current state:
+
+- ``["block", pod, rank, medium, group_idx, hash_hex]`` -> ``{"parent": hex|null, "epoch": E}``
+  for every resident block; a tombstone (null value) when it leaves the cache (BlockRemoved,
+  AllBlocksCleared, StreamStarted/PublisherRestarted, PodRemoved).
+- ``["stream", pod, rank]`` -> the stream's metadata (model, epoch, last_seq, uncertain,
+  lost_batches, tiers, the Kafka timestamp of its last record); a tombstone on PodRemoved.
+- ``["offsets", partition]`` -> ``{"topic", "next_offset", "counts", "markers"}``: the next
+  kv-events offset of that partition the state reflects, and that partition's share of
+  ``CacheState.applied``, ``.duplicates`` and ``.markers``.
+
+Keys and values are compact JSON. Nothing here does I/O: :class:`StateSync` turns consumed
+records into changes, :class:`Pending` coalesces them until they are written in one
+transaction, and :func:`load` rebuilds the state from kv-state's records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bridge.events import BlockRemoved, BlockStored
+from bridge.records import Record
+from bridge.state import CacheState, StreamState
+
+log = logging.getLogger(__name__)
+
+StreamKey = tuple[str, int]
+Change = tuple[bytes, bytes | None]  # (key, value); value None = tombstone
+_MISSING = object()
+_JSON_SCALARS = (bool, int, float, str, type(None))
+COUNTERS = ("applied", "duplicates")  # CacheState counters kv-state carries (per partition)
+
+
+def _dump(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def block_key(pod: str, rank: int, medium: str | None, group: int | None, h: bytes) -> bytes:
+    return _dump(["block", pod, rank, medium, group, h.hex()])
+
+
+def stream_key(pod: str, rank: int) -> bytes:
+    return _dump(["stream", pod, rank])
+
+
+def offsets_key(partition: int) -> bytes:
+    return _dump(["offsets", partition])
+
+
+def block_value(parent: bytes | None, epoch: int | None) -> bytes:
+    return _dump({"parent": None if parent is None else parent.hex(), "epoch": epoch})
+
+
+def stream_meta(state: CacheState, key: StreamKey, last_ts_ms: int | None) -> dict[str, Any] | None:
+    """What kv-state stores about a stream besides its blocks (None if the stream is gone).
+
+    Every scalar field of :class:`StreamState` is kept, so fields added later travel too."""
+    st = state.streams.get(key)
+    if st is None:
+        return None
+    meta: dict[str, Any] = {
+        f.name: getattr(st, f.name)
+        for f in dataclasses.fields(st)
+        if f.name != "tiers" and isinstance(getattr(st, f.name), _JSON_SCALARS)
+    }
+    meta["model"] = state.models.get(key[0])
+    # Tiers that exist but are empty (CacheState keeps them) are reproduced too.
+    meta["tiers"] = sorted(([m, g] for m, g in st.tiers), key=lambda t: (str(t[0]), str(t[1])))
+    meta["last_ts_ms"] = last_ts_ms
+    return meta
+
+
+class StateSync:
+    """A CacheState kept in step with the kv-events it consumed, and the kv-state records
+    each consumed record implies. Pure: the caller consumes and produces."""
+
+    def __init__(self, events_topic: str, state: CacheState | None = None) -> None:
+        self.events_topic = events_topic
+        self.state = state if state is not None else CacheState()
+        self.offsets: dict[int, int] = {}  # next kv-events offset per partition
+        # Per partition: its share of the state's counters (applied, duplicates) and markers.
+        self.counts: dict[int, Counter[str]] = {}
+        self.markers: dict[int, Counter[str]] = {}
+        self.last_ts_ms: dict[StreamKey, int] = {}
+
+    def _snapshot(self, keys: list[StreamKey]) -> dict[bytes, bytes]:
+        out = {}
+        for pod, rank in keys:
+            st = self.state.streams.get((pod, rank))
+            if st is None:
+                continue
+            for (medium, group), blocks in st.tiers.items():
+                for h, parent in blocks.items():
+                    out[block_key(pod, rank, medium, group, h)] = block_value(parent, st.epoch)
+        return out
+
+    def apply(self, partition: int, offset: int, timestamp_ms: int, rec: Record) -> list[Change]:
+        """Apply one consumed kv-events record; returns the kv-state changes it implies
+        (blocks and stream metadata; offsets records come from :meth:`offsets_changes`)."""
+        env, ev = rec.envelope, rec.event
+        key = (env.pod, env.dp_rank)
+        state = self.state
+        changes: list[Change] = []
+        if isinstance(ev, BlockStored | BlockRemoved):
+            tier_key = (ev.medium, ev.group_idx)
+            st = state.streams.get(key)
+            tier = st.tiers.get(tier_key) if st is not None else None
+            epoch = st.epoch if st is not None else None
+            before = {h: (tier.get(h, _MISSING) if tier else _MISSING) for h in ev.block_hashes}
+            self._apply(partition, rec)
+            st = state.streams[key]
+            tier = st.tiers.get(tier_key) or {}
+            for h, old in before.items():
+                new = tier.get(h, _MISSING)
+                if new is _MISSING:
+                    if old is not _MISSING:
+                        changes.append((block_key(*key, *tier_key, h), None))
+                elif old is _MISSING or old != new or st.epoch != epoch:
+                    changes.append((block_key(*key, *tier_key, h), block_value(new, st.epoch)))
+            affected = [key]
+        else:
+            # Clears, markers, unknown events: rare; diff the whole stream (or pod).
+            affected = sorted(k for k in state.streams if k[0] == env.pod)
+            if key not in affected:
+                affected.append(key)
+            before_blocks = self._snapshot(affected)
+            self._apply(partition, rec)
+            affected = sorted(set(affected) | {k for k in state.streams if k[0] == env.pod})
+            after_blocks = self._snapshot(affected)
+            for k in before_blocks.keys() - after_blocks.keys():
+                changes.append((k, None))
+            for k, v in after_blocks.items():
+                if before_blocks.get(k) != v:
+                    changes.append((k, v))
+        self.offsets[partition] = offset + 1
+        for k in affected:
+            if k in state.streams:
+                self.last_ts_ms[k] = timestamp_ms
+            else:
+                self.last_ts_ms.pop(k, None)
+            meta = stream_meta(state, k, self.last_ts_ms.get(k))
+            changes.append((stream_key(*k), None if meta is None else _dump(meta)))
+        return changes
+
+    def _apply(self, partition: int, rec: Record) -> None:
+        state = self.state
+        before = [getattr(state, name, 0) for name in COUNTERS]
+        markers = Counter(state.markers) if rec.envelope.index < 0 else None
+        state.apply(rec)
+        counts = self.counts.setdefault(partition, Counter())
+        for name, old in zip(COUNTERS, before, strict=True):
+            delta = getattr(state, name, 0) - old
+            if delta:
+                counts[name] += delta
+        if markers is not None:
+            delta = Counter(state.markers)
+            delta.subtract(markers)
+            mine = self.markers.setdefault(partition, Counter())
+            for name, n in delta.items():
+                if n:
+                    mine[name] += n
+
+    def offsets_changes(self, partitions: Iterable[int]) -> list[Change]:
+        """The offsets records of ``partitions``: written in the same transaction as the
+        block changes of the records consumed from them."""
+        out = []
+        for p in sorted(set(partitions)):
+            if p not in self.offsets:
+                continue
+            value = {
+                "topic": self.events_topic,
+                "next_offset": self.offsets[p],
+                "counts": dict(sorted(self.counts.get(p, Counter()).items())),
+                "markers": dict(sorted(self.markers.get(p, Counter()).items())),
+            }
+            out.append((offsets_key(p), _dump(value)))
+        return out
+
+
+@dataclass
+class Pending:
+    """Changes not yet written, coalesced by key (last write wins), in first-write order."""
+
+    changes: dict[bytes, bytes | None] = field(default_factory=dict)
+    partitions: set[int] = field(default_factory=set)  # kv-events partitions advanced
+
+    def add(self, partition: int, changes: Iterable[Change]) -> None:
+        self.partitions.add(partition)
+        for k, v in changes:
+            self.changes[k] = v
+
+    def __len__(self) -> int:
+        return len(self.changes)
+
+    def records(self, sync: StateSync) -> list[Change]:
+        """Everything to write in one transaction: changes, then the offsets records."""
+        return [*self.changes.items(), *sync.offsets_changes(self.partitions)]
+
+    def clear(self) -> None:
+        self.changes.clear()
+        self.partitions.clear()
+
+
+class StateTopicError(ValueError):
+    """kv-state holds something a loader cannot use (e.g. offsets of another topic)."""
+
+
+def load(records: Iterable[Change], events_topic: str) -> tuple[StateSync, int]:
+    """Rebuild a :class:`StateSync` from kv-state's records in log order (compacted or not).
+
+    Returns it and the number of unreadable records (logged and skipped). Raises
+    StateTopicError if the offsets records belong to a different events topic."""
+    latest: dict[bytes, bytes] = {}
+    for k, v in records:
+        if v is None:
+            latest.pop(k, None)
+        else:
+            latest[k] = v
+    sync = StateSync(events_topic)
+    state = sync.state
+    skipped = 0
+    blocks: list[tuple[list[Any], dict[str, Any]]] = []
+    names = {f.name for f in dataclasses.fields(StreamState)} - {"tiers"}
+    for raw_key, raw_value in latest.items():
+        try:
+            key = json.loads(raw_key)
+            value = json.loads(raw_value)
+            kind = key[0]
+            if kind == "block":
+                _, pod, rank, medium, group, h = key
+                blocks.append(([str(pod), int(rank), medium, group, bytes.fromhex(h)], value))
+            elif kind == "stream":
+                sk = (str(key[1]), int(key[2]))
+                st = StreamState(**{n: v for n, v in value.items() if n in names})
+                for m, g in value.get("tiers", []):  # tiers CacheState holds, even empty ones
+                    st.tiers[(m, g)] = {}
+                    st.index.setdefault(m, {})
+                state.streams[sk] = st
+                if value.get("model") is not None:
+                    state.models[sk[0]] = value["model"]
+                if value.get("last_ts_ms") is not None:
+                    sync.last_ts_ms[sk] = int(value["last_ts_ms"])
+            elif kind == "offsets":
+                if value["topic"] != events_topic:
+                    raise StateTopicError(
+                        f"the state topic reflects events topic {value['topic']!r}, not "
+                        f"{events_topic!r}; give the matching --topic or another --state-topic"
+                    )
+                p = int(key[1])
+                sync.offsets[p] = int(value["next_offset"])
+                sync.counts[p] = Counter(
+                    {str(k): int(v) for k, v in (value.get("counts") or {}).items()}
+                )
+                sync.markers[p] = Counter(value.get("markers") or {})
+            else:
+                raise ValueError(f"unknown record kind {kind!r}")
+        except StateTopicError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            skipped += 1
+            log.warning("kv-state record %r unreadable (%s); skipped", raw_key[:200], exc)
+    for (pod, rank, medium, group, h), value in blocks:
+        try:
+            parent = None if value["parent"] is None else bytes.fromhex(value["parent"])
+        except (ValueError, TypeError, KeyError) as exc:
+            skipped += 1
+            log.warning("kv-state block %s unreadable (%s); skipped", h.hex(), exc)
+            continue
+        st = state.streams.get((pod, rank))
+        if st is None:
+            st = state.streams[(pod, rank)] = StreamState()
+        st.store((medium, group), [h], parent)
+    state.streams = dict(sorted(state.streams.items()))
+    for name in COUNTERS:
+        if hasattr(state, name):
+            setattr(state, name, sum(c[name] for c in sync.counts.values()))
+    total: Counter[str] = Counter()
+    for c in sync.markers.values():
+        total.update(c)
+    state.markers = total
+    return sync, skipped
