@@ -322,13 +322,15 @@ def test_healthcheck_and_probes_answer_on_a_running_bridge(
         url = f"http://127.0.0.1:{metrics_port}"
         wait_for(lambda: status(url + "/readyz") == 200, 60, "the bridge to be ready")
         assert status(url + "/healthz") == 200
-        scraped = wait_for(
-            lambda: (
-                (m := metric_totals(url + "/metrics")).get("kvbridge_events_out_total", 0) > 10
-                and m
-            ),
+        wait_for(
+            lambda: metric_totals(url + "/metrics").get("kvbridge_records_out_total", 0) > 10,
             60,
-            "events acknowledged by Kafka",
+            "records acknowledged by Kafka",
+        )
+        scraped = wait_for(
+            lambda: (m := metric_totals(url + "/metrics")).keys() >= set(LIVE_METRICS) and m,
+            10,
+            "every metric to be exposed",
         )
         # What the Grafana dashboard plots is what a running bridge exposes, under these names.
         board = json.loads((ROOT / "monitoring/grafana/dashboards/kvbridge.json").read_text())

@@ -309,11 +309,9 @@ class SyncThread:
         if self.error is not None:
             raise self.error
 
-    def committed(self, n: int) -> bool:
+    def committed(self) -> bool:
         self.check()
-        import sys
-        print("DBG", round(__import__("time").monotonic(),1), self.syncer.consumed, len(self.syncer.pending), self.syncer.commits, self.thread.is_alive(), self.syncer.tail.next if self.syncer.tail else None, file=sys.stderr)
-        return self.syncer.commits >= n
+        return self.syncer.commits >= 1 and self.syncer.consumed > 0
 
     def close(self) -> None:
         self.stop.set()
@@ -330,23 +328,23 @@ def test_state_sync_resumes_and_consumers_stitch_exactly(kafka_bootstrap, make_t
     state_topic = f"{events}-state"
     specs = [
         # a publisher restart mid-run
-        PodSpec(name="restarts", release="0.26.0", rate=150, batches=120, seed=1,
+        PodSpec(name="restarts", release="0.26.0", rate=40, batches=120, seed=1,
                 restart_at_batches=frozenset({50}), wait_for_subscriber=True),
         # frequent clears, two DP ranks, a CPU tier
-        PodSpec(name="clears", release="0.33.0", rate=150, batches=120, seed=2, dp_size=2,
+        PodSpec(name="clears", release="0.33.0", rate=40, batches=120, seed=2, dp_size=2,
                 cache=ModelConfig(clear_prob=0.05, cpu_offload_prob=0.3),
                 wait_for_subscriber=True),
         # a range lost for good (never sent, never buffered): uncertain
-        PodSpec(name="lossy", release="0.23.0", rate=150, batches=120, seed=3,
+        PodSpec(name="lossy", release="0.23.0", rate=40, batches=120, seed=3,
                 lose_seqs=frozenset({30, 31}), wait_for_subscriber=True),
     ]  # fmt: skip
     with SimulatedFleet(*specs) as fleet:
         pods = [pod_config(p) for p in fleet.pods]
         with running_bridge(kafka_bootstrap, events, pods, exactly_once=True):
-            fleet.wait_sent(40, timeout=30)
+            fleet.wait_sent(20, timeout=30)
             first = SyncThread(StateSyncer(kafka_bootstrap, events, state_topic))
             # Stop state-sync midway, once it has committed some of the stream.
-            wait_for(lambda: first.committed(2), 30, "state-sync to commit")
+            wait_for(first.committed, 30, "state-sync to commit")
             first.close()
             mid = load_state(kafka_bootstrap, state_topic, events)
             assert mid.offsets and sum(mid.offsets.values()) > 0
@@ -372,8 +370,11 @@ def test_state_sync_resumes_and_consumers_stitch_exactly(kafka_bootstrap, make_t
             "state-sync to catch up",
         )  # fmt: skip
         second.close()
-        total = sum(ends.values())
-        assert second.syncer.consumed < total  # the second one did not start from scratch
+        # The second one resumed where the first stopped, and had work left to do.
+        assert 0 < second.syncer.consumed < sum(ends.values())
+        assert second.syncer.consumed == sum(second.syncer.sync.offsets.values()) - sum(
+            mid.offsets.values()
+        )
 
         final = load_state(kafka_bootstrap, state_topic, events)
         replayed = replay_all(kafka_bootstrap, events)
