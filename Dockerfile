@@ -25,7 +25,7 @@ RUN pip install ".[k8s]" \
     && cp -r schemas "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/bridge/" \
     && cd / \
     && python -c 'from bridge.records import schema_dir; print("schemas:", schema_dir())' \
-    && python -c 'import bridge.discovery.k8swatch, kubernetes' \
+    && python -c 'import bridge.discovery.k8swatch, bridge.registry, confluent_kafka.schema_registry' \
     && kvbridge --version
 
 
@@ -36,7 +36,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/kvbridge/bin:$PATH
 
 COPY --from=build /opt/kvbridge /opt/kvbridge
-RUN useradd --system --uid 10001 --user-group --no-create-home --home-dir /nonexistent kvbridge \
+RUN groupadd --system --gid 10001 kvbridge \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent kvbridge \
     && kvbridge --version
 
 # Numeric, so Kubernetes' runAsNonRoot can verify it without looking the name up.

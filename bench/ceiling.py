@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from bridge import avro_encode
 from bridge.records import RecordCodec
 from bridge.vllm.decoder import decode_batch
 
@@ -47,6 +48,7 @@ def run_ceiling(payloads: Sequence[bytes], label: str, description: str = "") ->
     if not payloads:
         raise ValueError("the ceiling needs at least one payload")
     codec = RecordCodec()
+    avro_encode.prepare()  # as the bridge's pipeline does when it starts
     _decode_and_encode_all(payloads[: min(len(payloads), 200)], codec)  # warm caches
 
     cpu0 = time.process_time()

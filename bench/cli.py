@@ -20,7 +20,8 @@ from bench.workload import WorkloadConfig, describe, generate
 from bridge.vllm.releases import Release
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PARTS = ("ceiling", "naive", "scaling", "latency")
+PARTS = ("ceiling", "naive", "scaling", "workers", "latency")
+WORKERS_PODS = 32  # pods of the --workers runs: rendezvous hashing splits 32 pods 17/15
 MIN_BATCHES_PER_POD = 60  # each pod's cache reaches its steady state (see bench/workload.py)
 
 DESCRIPTION = """\
@@ -40,6 +41,8 @@ ZeroMQ, then resume it and time until the topic holds every record, so the pods'
 does not limit the result. Latency runs rate-limit the pods to 25%, 50% and 90% of the
 bridge's measured maximum and time each record from vLLM's batch timestamp to a consumer.
 Scaling: 1, 16 and 128 pods (and 512 in the full run, if the time budget allows).
+Workers: 32 pods drained by `kvbridge run` with --workers 1, then --workers 2 (pods
+sharded across the worker processes).
 
 Without --bootstrap a private single-node broker is started (tests/kafka_broker.py, needs
 Java 17; the first use downloads Kafka's jars with Maven) and stopped at the end.
@@ -385,6 +388,14 @@ def _e2e(
                 if pods != plan.ref_pods:
                     batches = max(MIN_BATCHES_PER_POD, plan.drain_batches // pods)
                     scaling.append(drain("bridge", pods, batches, f"bridge-{pods}"))
+        if "workers" in parts:
+            # The same fleet drained by one bridge process, then by --workers N (N <= cores).
+            top = max(1, min(2, os.cpu_count() or 1))
+            batches = max(MIN_BATCHES_PER_POD, plan.drain_batches // WORKERS_PODS)
+            for n in sorted({1, top}):
+                r = drain("bridge", WORKERS_PODS, batches, f"workers-{n}", workers=n)
+                r["workers"] = n
+                doc["bridge"].setdefault("workers", []).append(r)
         if "latency" in parts:
             if "error" in ref_run or not ref_run.get("events_per_s"):
                 doc["bridge"]["latency"].append(

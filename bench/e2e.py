@@ -123,8 +123,10 @@ def drain_run(
     batches_per_pod: int,
     tag: str,
     known_mix: dict[str, Any] | None = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
-    """Time ``target`` ("bridge" or "naive") draining ``pods`` x ``batches_per_pod`` batches."""
+    """Time ``target`` ("bridge" or "naive") draining ``pods`` x ``batches_per_pod`` batches
+    (the bridge with ``--workers workers`` when > 1: CPU and memory of every worker)."""
     if target not in ("bridge", "naive"):
         raise ValueError(f"unknown target {target!r}")
     config = replace(ctx.workload, pods=pods, batches_per_pod=batches_per_pod)
@@ -139,6 +141,8 @@ def drain_run(
         "batches_per_pod": batches_per_pod,
         "topic": topic,
     }
+    if target == "bridge" and workers > 1:
+        result["workers"] = workers
     try:
         # The simulator's ZeroMQ context allows 1,023 sockets; a pod uses a PUB, a replay
         # ROUTER and, waiting for its subscriber, a monitor pair: 4. Bigger fleets get only
@@ -154,7 +158,13 @@ def drain_run(
         tgt: BridgeProc | NaiveProc
         if target == "bridge":
             tgt = BridgeProc(
-                ctx.bootstrap, topic, endpoints, ctx.workdir, tag, extra=["--first-contact", "live"]
+                ctx.bootstrap,
+                topic,
+                endpoints,
+                ctx.workdir,
+                tag,
+                extra=["--first-contact", "live"],
+                workers=workers,
             )
             procs.append(tgt)
             tgt.wait_running()

@@ -190,6 +190,7 @@ class BridgeProc(Proc):
         tag: str,
         model: str = "bench-model",
         extra: list[str] | None = None,
+        workers: int = 1,
     ) -> None:
         config = workdir / f"{tag}-bridge.toml"
         lines = []
@@ -199,20 +200,62 @@ class BridgeProc(Proc):
             if replay:
                 lines.append(f"replay = {json.dumps(replay)}")
         config.write_text("\n".join(lines) + "\n")
-        self.metrics_port = free_port()
+        # --workers N: the parent supervises N children (worker i: metrics port base + i).
+        self.workers = workers
+        self.metrics_port = free_port() if workers == 1 else free_port_block(workers)
         self.pods = len(pods)
         argv = [sys.executable, "-m", "bridge", "run", "--config", str(config)]
         argv += ["--bootstrap-servers", bootstrap, "--topic", topic]
         argv += ["--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1"]
         argv += ["--log-level", "info", *(extra or [])]
+        if workers > 1:
+            argv += ["--workers", str(workers)]
         super().__init__(argv, workdir / f"{tag}-bridge.log")
 
+    def pids(self) -> list[int]:
+        """The bridge's process and, with --workers, its worker processes."""
+        if self.workers == 1:
+            return [self.pid]
+        try:
+            with open(f"/proc/{self.pid}/task/{self.pid}/children", encoding="ascii") as f:
+                children = [int(x) for x in f.read().split()]
+        except OSError:
+            children = []
+        return [self.pid, *children]
+
+    def cpu(self) -> float:
+        total = 0.0
+        for pid in self.pids():
+            with contextlib.suppress(OSError):  # a worker that already exited
+                total += procstat.cpu_seconds(pid)
+        return total
+
+    def memory(self) -> dict[str, int]:
+        out = {"rss": 0, "peak_rss": 0}
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                for k, v in procstat.memory_bytes(pid).items():
+                    out[k] += v
+        return out
+
+    def pause(self) -> None:
+        for pid in reversed(self.pids()):
+            os.kill(pid, signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        for pid in self.pids():
+            os.kill(pid, signal.SIGCONT)
+        self._paused = False
+
     def wait_running(self, timeout: float = 60.0) -> None:
-        """Until the bridge opened every stream (its "bridge running" log line)."""
+        """Until the bridge (every worker) opened its streams ("bridge running" log lines)."""
 
         def running() -> bool:
             self.check_alive("the bridge")
-            return "bridge running" in self.output()
+            if self.output().count("bridge running") < self.workers:
+                return False
+            return len(self.pids()) == self.workers + (self.workers > 1)
 
         wait(running, timeout, "the bridge to open its streams", 0.1)
 
@@ -224,17 +267,18 @@ class BridgeProc(Proc):
         """Prometheus samples summed over pods, plus ``name{label="value"}`` for type/outcome."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read()
         out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text.decode()):
-            for s in family.samples:
-                if s.name.endswith("_created") or not s.name.startswith("kvbridge_"):
-                    continue
-                out[s.name] = out.get(s.name, 0.0) + s.value
-                for label in ("type", "outcome", "reason", "source"):
-                    if label in s.labels:
-                        key = f'{s.name}{{{label}="{s.labels[label]}"}}'
-                        out[key] = out.get(key, 0.0) + s.value
+        for port in range(self.metrics_port, self.metrics_port + self.workers):
+            text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+            for family in text_string_to_metric_families(text.decode()):
+                for s in family.samples:
+                    if s.name.endswith("_created") or not s.name.startswith("kvbridge_"):
+                        continue
+                    out[s.name] = out.get(s.name, 0.0) + s.value
+                    for label in ("type", "outcome", "reason", "source"):
+                        if label in s.labels:
+                            key = f'{s.name}{{{label}="{s.labels[label]}"}}'
+                            out[key] = out.get(key, 0.0) + s.value
         return out
 
 

@@ -11,7 +11,8 @@ Top-level keys of the JSON document (``SCHEMA_VERSION`` 1):
                 the repeats, each listed under "repeats"), or {"skipped": ...} / {"error": ...}
 ``bridge``      {"warmup": drain result, "scaling": [drain results by pod count; the
                 reference pod count is the median of its repeats], "latency": [latency results
-                (:func:`bench.e2e.latency_run`)]}
+                (:func:`bench.e2e.latency_run`)], "workers": [drain results of the same
+                32-pod fleet with ``--workers 1`` and ``--workers 2`` (key "workers")]}
 ``ratios``      list of {"name", "value", "numerator", "denominator"} measured in this run
 ``notes``       list of strings (what was skipped and why, caveats)
 """
@@ -99,6 +100,20 @@ def compute_ratios(doc: dict[str, Any], ref_pods: int) -> list[dict[str, Any]]:
                 n_label,
             )
         )
+    workers = [r for r in doc.get("bridge", {}).get("workers", []) if _ok(r)]
+    one = next((r for r in workers if r.get("workers") == 1), None)
+    for r in workers:
+        if one is not None and r.get("workers", 1) > 1:
+            n = r["workers"]
+            out.append(
+                _ratio(
+                    f"--workers {n} / 1 events/s (target >= {0.85 * n:.2f})",
+                    r["events_per_s"],
+                    one["events_per_s"],
+                    f"bridge --workers {n}, {r['pods']} pods",
+                    f"bridge --workers 1, {one['pods']} pods",
+                )
+            )
     return out
 
 
@@ -241,6 +256,8 @@ def render(doc: dict[str, Any]) -> str:
         rows.append(drain_row("naive loop", naive))
     for r in doc.get("bridge", {}).get("scaling", []):
         rows.append(drain_row("bridge", r))
+    for r in doc.get("bridge", {}).get("workers", []):
+        rows.append(drain_row(f"bridge --workers {r.get('workers', '?')}", r))
     lines += _table(headers, rows)
     lines += [f"  {p}" for p in problems]
 

@@ -98,8 +98,8 @@ class BridgeMetrics:
             registry=r,
         )
         self.since_last_event = Gauge(
-            p + "seconds_since_last_message",
-            "Seconds since the stream's last message from its pod (updated about once a second)",
+            p + "seconds_since_last_event",
+            "Seconds since the stream last received a vLLM batch live from its pod (updated ~1/s)",
             ["pod", "dp_rank"],
             registry=r,
         )
@@ -184,9 +184,13 @@ class StreamStats:
             self._child(m.last_seq, pod, self.rank).set(self.last_seq)
             self.last_seq = None
 
-    def connection(self, connected: bool, last_message: float, now: float | None = None) -> None:
-        """Connection state and seconds since the last message (monotonic clock)."""
-        self._child(self._m.connected, self.pod, self.rank).set(1 if connected else 0)
+    def connection(
+        self, connected: bool | None, last_message: float, now: float | None = None
+    ) -> None:
+        """Connection state (None: unknown, not set) and seconds since the last message
+        (``last_message`` on the monotonic clock; 0: none yet, not set)."""
+        if connected is not None:
+            self._child(self._m.connected, self.pod, self.rank).set(1 if connected else 0)
         if last_message > 0:
             age = (time.monotonic() if now is None else now) - last_message
             self._child(self._m.since_last_event, self.pod, self.rank).set(max(0.0, age))

@@ -264,7 +264,7 @@ class Progress:
             log.info("replay: %s", self.line(now))
 
     def done(self) -> None:
-        if self.mode == "bar" and self.drawn:
+        if self.mode == "bar" and (self.drawn or self.n):
             self.show(time.monotonic())
             self.stream.write("\n")
             self.stream.flush()

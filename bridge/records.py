@@ -233,15 +233,18 @@ class RecordCodec:
             ]
         head = self.header + avro_encode.envelope_head(pod, model, dp_rank, epoch, seq)
         tail = avro_encode.envelope_tail(ts, batch_extra)
-        encoders = avro_encode.EVENT_ENCODERS
-        index = avro_encode.index_bytes
-        out = []
-        append = out.append
-        for i, event in enumerate(events):
-            enc = encoders.get(type(event))
-            body = enc(event) if enc is not None else avro_encode.encode_event(event)
-            append(b"".join((head, index(i), tail, body)))
-        return out
+        get = avro_encode.EVENT_ENCODERS.get
+        slow = avro_encode.encode_event  # subclasses; TypeError for what is not an event
+        index = avro_encode.INDEX
+        if len(events) <= len(index):
+            return [
+                b"".join((head, i, tail, get(type(e), slow)(e)))
+                for i, e in zip(index, events, strict=False)
+            ]
+        return [
+            b"".join((head, avro_encode.index_bytes(i), tail, slow(e)))
+            for i, e in enumerate(events)
+        ]
 
     def encode_reference(self, envelope: Envelope, event: VllmEvent | Marker) -> bytes:
         """``encode`` through fastavro's generic writer: the reference the fast path matches,

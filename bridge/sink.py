@@ -195,21 +195,22 @@ class KafkaSink:
         self,
         key: bytes,
         values: list[bytes],
-        on_last: Callable[..., None] | None,
+        on_delivery: Callable[..., None] | None,
         topic: str | None = None,
+        every: bool = True,
     ) -> None:
-        """Queue a vLLM batch's records in order; only the last one carries a delivery callback
-        (``on_last``; None: no callback at all, e.g. inside a transaction).
+        """Queue a vLLM batch's records in order, with one delivery callback shared by all of
+        them (``every``) or carried by the last one only (``every=False``: inside a transaction,
+        where any failure aborts the whole transaction anyway). None: no callback at all.
 
-        The records share a key, hence a partition, and the producer is idempotent with no
-        message timeout: they are written in order, so the last one's acknowledgement covers
-        the batch, and a Python callback per record (the costliest part of producing) is saved.
+        One shared callback per batch, instead of the sink's generic per-record path, keeps the
+        per-record Python work on acknowledgement to a counter decrement.
         """
         produce = self._producer.produce
         t = topic or self.topic
         last = len(values) - 1
         for i, value in enumerate(values):
-            cb = on_last if i == last else None
+            cb = on_delivery if every or i == last else None
             try:
                 if cb is None:
                     produce(t, value, key)

@@ -14,10 +14,11 @@ resident block hashes, each with the parent hash BlockStored gave for it. Rules:
 * an event record at or before the stream's last applied (epoch, seq, index) is a
   duplicate (at-least-once delivery, or an overlap after a snapshot) and is skipped.
 
-Prefix queries use vLLM's 64-bit keys (:func:`bridge.events.key64`): each stream keeps,
-per medium, a refcount of the resident blocks' keys, so a query costs O(len(keys)) per
-stream whatever the number of resident blocks. For 8-byte hashes (vLLM's default integer
-mode) the index key is the very bytes object of the tier, so it costs no extra object.
+Prefix queries use vLLM's 64-bit keys (:func:`bridge.events.key64`) and cost O(len(keys))
+per stream and tier, whatever the number of resident blocks. An 8-byte hash (vLLM's default
+integer mode) is its own key: the tier dict answers directly, at no extra memory. Longer
+hashes (raw digests) are also counted, per medium, in ``StreamState.index``: their last 8
+bytes -> how many resident blocks of that medium have that key.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ class StreamState:
     uncertain: bool = False
     lost_batches: int = 0
     tiers: dict[Tier, dict[bytes, bytes | None]] = field(default_factory=dict)
-    # medium -> {last 8 bytes of a resident hash: how many resident blocks of that medium
-    # (all groups) have that key}. Maintained by CacheState; read by prefix_match.
+    # medium -> {last 8 bytes of a resident hash longer than 8 bytes: how many resident
+    # blocks of that medium (all groups) have that key}. 8-byte hashes are their own keys
+    # and are looked up in the tiers themselves. Maintained by store/remove/clear.
     index: dict[str | None, dict[bytes, int]] = field(default_factory=dict)
     last_index: int = -1  # index of the last applied event within batch last_seq
     cleared_at: int = -1  # seq of the last AllBlocksCleared in this epoch
@@ -75,13 +77,12 @@ class StreamState:
         tier = self.tiers.get(tier_key)
         if tier is None:
             tier = self.tiers[tier_key] = {}
-        medium = tier_key[0]
-        idx = self.index.get(medium)
-        if idx is None:
-            idx = self.index[medium] = {}
         for h in hashes:
-            if h not in tier:
-                k = h[-8:]
+            if len(h) != 8 and h not in tier:
+                idx = self.index.get(tier_key[0])
+                if idx is None:
+                    idx = self.index[tier_key[0]] = {}
+                k = _key8(h)
                 idx[k] = idx.get(k, 0) + 1
             tier[h] = parent
             parent = h
@@ -90,16 +91,17 @@ class StreamState:
         tier = self.tiers.get(tier_key)
         if not tier:
             return
-        idx = self.index[tier_key[0]]
         for h in hashes:
             if h in tier:
                 del tier[h]
-                k = h[-8:]
-                n = idx[k] - 1
-                if n:
-                    idx[k] = n
-                else:
-                    del idx[k]
+                if len(h) != 8:
+                    idx = self.index[tier_key[0]]
+                    k = _key8(h)
+                    n = idx[k] - 1
+                    if n:
+                        idx[k] = n
+                    else:
+                        del idx[k]
 
     def clear(self) -> None:
         self.tiers.clear()
@@ -183,21 +185,20 @@ class CacheState:
         raw = [(k % (1 << 64)).to_bytes(8, "big") for k in keys]
         out = {}
         for key, st in self.streams.items():
-            if medium is None:
-                indexes = [i for i in st.index.values() if i]
-            else:
-                i = st.index.get(medium)
-                indexes = [i] if i else []
+            # Every dict that can hold a key: the tiers (8-byte hashes are keys themselves)
+            # and the index of longer hashes, of the medium asked for.
+            found = [t for (m, _), t in st.tiers.items() if t and (medium is None or m == medium)]
+            found += [i for m, i in st.index.items() if i and (medium is None or m == medium)]
             n = 0
-            if len(indexes) == 1:
-                idx = indexes[0]
+            if len(found) == 1:
+                only = found[0]
                 for k in raw:
-                    if k not in idx:
+                    if k not in only:
                         break
                     n += 1
-            elif indexes:
+            elif found:
                 for k in raw:
-                    if not any(k in idx for idx in indexes):
+                    if not any(k in d for d in found):
                         break
                     n += 1
             out[key] = n
@@ -346,6 +347,11 @@ class CacheState:
         except (OSError, json.JSONDecodeError) as exc:
             raise SnapshotError(f"cannot read snapshot {str(path)!r}: {exc}") from None
         return cls.from_snapshot(doc)
+
+
+def _key8(h: bytes) -> bytes:
+    """The 8 big-endian bytes of ``key64(h)`` (a hash shorter than 8 bytes is zero-padded)."""
+    return h[-8:] if len(h) >= 8 else h.rjust(8, b"\0")
 
 
 def _tier_order(kv: tuple[Tier, Any]) -> tuple[str, str]:

@@ -243,7 +243,6 @@ def load(records: Iterable[Change], events_topic: str) -> tuple[StateSync, int]:
                 st = StreamState(**{n: v for n, v in value.items() if n in names})
                 for m, g in value.get("tiers", []):  # tiers CacheState holds, even empty ones
                     st.tiers[(m, g)] = {}
-                    st.index.setdefault(m, {})
                 state.streams[sk] = st
                 if value.get("model") is not None:
                     state.models[sk[0]] = value["model"]

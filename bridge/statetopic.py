@@ -267,18 +267,19 @@ class EventTail:
             out.append(TailedRecord(p, off, msg.timestamp()[1], rec))
         return out
 
+    def positions(self) -> dict[int, int]:
+        """Per partition, the offset of the next record to read (past transaction markers,
+        which take offsets but are never returned). Call from the consuming thread."""
+        pos = dict(self.next)
+        for tp in self.consumer.position([TopicPartition(self.topic, p) for p in self.partitions]):
+            if tp.offset >= 0:
+                pos[tp.partition] = max(pos[tp.partition], tp.offset)
+        return pos
+
     def lag(self) -> dict[int, int]:
         """Per partition, how far behind the end seen at the start (0 = caught up)."""
-        behind = {p: self.ends[p] - self.next[p] for p in self.partitions}
-        todo = [p for p, n in behind.items() if n > 0]
-        if todo:
-            # Transaction markers take offsets but are never returned: trust the position.
-            for tp in self.consumer.position([TopicPartition(self.topic, p) for p in todo]):
-                if tp.offset >= 0:
-                    behind[tp.partition] = min(
-                        behind[tp.partition], self.ends[tp.partition] - tp.offset
-                    )
-        return {p: max(0, n) for p, n in behind.items()}
+        pos = self.positions()
+        return {p: max(0, self.ends[p] - pos[p]) for p in self.partitions}
 
     def caught_up(self) -> bool:
         return not any(self.lag().values())
@@ -314,6 +315,8 @@ class StateSyncer:
         self.consumed = 0
         self.commits = 0
         self.resumed_from: dict[int, int] = {}
+        # kv-events positions whose records are all in the state topic (set by run()).
+        self.synced: dict[int, int] = {}
 
     def open(self) -> None:
         """Fence any older instance, load the state topic, position kv-events after it."""
@@ -413,8 +416,12 @@ class StateSyncer:
             if now >= next_commit or len(self.pending) >= self.commit_max:
                 self.commit()
                 next_commit = now + self.commit_interval
-            if until_caught_up and not self.pending.partitions and self.tail.caught_up():
-                return
+            if not self.pending.partitions:
+                self.synced = self.tail.positions()
+                if until_caught_up and all(
+                    self.synced[p] >= end for p, end in self.tail.ends.items()
+                ):
+                    return
         while not self.commit():
             time.sleep(0.2)
 

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 # Messages taken from one socket per loop turn, so one busy pod cannot starve the others.
 RECV_BUDGET = 512
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,11 +209,18 @@ class StreamSubscriber:
     def on_sub_readable(self, now: float) -> None:
         sub = self.sub
         assert sub is not None
+        recv = sub.recv
         for _ in range(RECV_BUDGET):
+            # recv_multipart asks the socket for RCVMORE per frame (~1 µs each); a frame's own
+            # `more` flag is free. The rest of a multipart message is there once its first is.
             try:
-                frames = sub.recv_multipart(zmq.NOBLOCK)
+                frame = recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [frame.bytes]
+            while frame.more:
+                frame = recv(_NOBLOCK, copy=False)
+                frames.append(frame.bytes)
             try:
                 msg = parse_live(frames)
             except FrameError as exc:
@@ -344,7 +352,13 @@ class StreamSubscriber:
         self.sequencer.on_replay_sent(now)
 
     def sync_metrics(self) -> None:
-        """Carry the sequencer's counters into Prometheus (called about once a second)."""
+        """Carry the sequencer's counters, the connection state and the time since the last
+        message into Prometheus (called about once a second and when the bridge stops)."""
+        stats_of = getattr(self.pipeline, "stats", None)  # TEMP until pipeline.py lands
+        if stats_of is not None:
+            stats = stats_of(self.info)
+            # A stream fed by a shared listener has no connection of its own: no connected gauge.
+            stats.connection(self.connected if self.pub_endpoint else None, self.last_message)
         seq, pod = self.sequencer, self.info.pod
         current = (
             seq.gaps,

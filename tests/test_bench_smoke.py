@@ -179,3 +179,15 @@ def test_tiny_end_to_end_drain_and_latency(kafka_bootstrap, tmp_path, monkeypatc
         assert key in lat
     assert lat["complete"] and lat["samples"] > 0
     assert lat["p50_ms"] <= lat["p99_ms"] <= lat["p999_ms"]
+
+
+@pytest.mark.kafka
+def test_tiny_drain_with_two_workers(kafka_bootstrap, tmp_path, monkeypatch):
+    """`--workers 2`: both workers resumed, measured and counted; every event once."""
+    monkeypatch.setattr(e2e, "START_DELAY", 1.5)
+    ctx = RunContext(kafka_bootstrap, None, tmp_path, TINY, print)
+    r = drain_run(ctx, "bridge", pods=4, batches_per_pod=30, tag="smoke-w", workers=2)
+    assert r["workers"] == 2
+    assert r["complete"] and r["workload_matches_simulator"]
+    assert r["events"] == r["events_sent"] == r["bridge_metrics"]["kvbridge_events_in_total"]
+    assert r["records"] == r["events"] + 4  # one StreamStarted per stream, across both workers

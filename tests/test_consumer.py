@@ -93,6 +93,7 @@ def test_end_and_follow(kafka_bootstrap, make_topic):
     send(0)
     with TopicReader(kafka_bootstrap, name) as r:
         assert list(r.read(StartAt.end())) == []
+    with TopicReader(kafka_bootstrap, name) as r:
         it = r.read(StartAt.end(), follow=True, idle_timeout=0.2)
 
         def later() -> None:
@@ -126,9 +127,11 @@ def test_consumer_group_commit_and_resume(kafka_bootstrap, topic):
 
 
 def test_clear_errors(kafka_bootstrap, topic):
-    with TopicReader(kafka_bootstrap, "no-such-topic-xyz") as r:
-        with pytest.raises(ReaderError, match="not found"):
-            list(r.read())
+    with (
+        TopicReader(kafka_bootstrap, "no-such-topic-xyz") as r,
+        pytest.raises(ReaderError, match="not found"),
+    ):
+        list(r.read())
     with TopicReader(kafka_bootstrap, topic) as r:
         with pytest.raises(ReaderError, match="partition 7 does not exist"):
             list(r.read(StartAt.at_offsets({7: 0})))

@@ -226,3 +226,11 @@ def test_other_schemas_use_fastavro(tmp_path: Path, codec: RecordCodec) -> None:
     assert value == other.encode_reference(env, event)
     assert value[len(other.header) :] != codec.encode(env, event)[len(codec.header) :]
     assert other.encode_batch("p", "m", 0, 1, 2, 1.0, {}, [event]) == [value]
+
+
+def test_encode_batch_past_the_index_table(codec: RecordCodec) -> None:
+    events = [BlockRemoved([i.to_bytes(8, "big")]) for i in range(1030)]
+    values = codec.encode_batch("p", "m", 0, 1, 2, 3.0, {}, events)
+    for i in (0, 1023, 1024, 1029):
+        env = Envelope("p", "m", 0, 1, 2, i, 3.0)
+        assert values[i] == codec.encode_reference(env, events[i])
