@@ -373,6 +373,7 @@ class Bridge:
             try:
                 self.sink.commit(self.config.commit_timeout)
                 self.pipeline.produced = 0
+                self.pipeline.committed()
                 return
             except KafkaException as exc:
                 err = exc.args[0]
@@ -384,6 +385,7 @@ class Bridge:
                         "transaction aborted (%s); rewinding streams to the last commit", err.str()
                     )
                     self.committed = pending
+                    self.pipeline.aborted()
                     self.sink.abort(self.config.commit_timeout)
                     self._rewind()
                     return
@@ -440,6 +442,7 @@ class Bridge:
                     self.metrics.producer_queue.set(sink.pending())
                     for s in self.streams:
                         s.sync_metrics()
+                    self.pipeline.flush_metrics()
         finally:
             self.close()
 
@@ -502,6 +505,7 @@ class Bridge:
                     self.config.shutdown_timeout,
                 )
         finally:
+            self.pipeline.flush_metrics()  # exact at the end: what was acked while flushing
             self.streams.clear()
             self.sink.close()
             self.ctx.term()

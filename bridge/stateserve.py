@@ -311,10 +311,14 @@ class _Handler(BaseHTTPRequestHandler):
                 self._not_found(url.path)
         except BadRequest as exc:
             self._error(HTTPStatus.BAD_REQUEST, str(exc))
+        except Exception as exc:  # a bug: say so instead of dropping the connection
+            log.exception("GET %s failed", self.path)
+            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc!r}")
 
     def do_POST(self) -> None:  # noqa: N802 (stdlib name)
         url = urlsplit(self.path)
         if url.path != "/prefix":
+            self.close_connection = True  # the body is not read
             if url.path in ("/pods", "/healthz", "/readyz"):
                 self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"{url.path} answers GET only")
             else:
@@ -326,6 +330,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             n = -1
         if n < 0:
+            self.close_connection = True
             self._error(HTTPStatus.LENGTH_REQUIRED, "POST /prefix needs a Content-Length")
             return
         if n > MAX_BODY:
@@ -402,6 +407,8 @@ def run(args: argparse.Namespace) -> int:
     bootstrap, topic, overrides = kafka_target(args)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be 0..65535")
+    if args.state_topic == topic:
+        raise ConfigError("--state-topic must differ from --topic (kvbridge state-sync writes it)")
     live = LiveState(bootstrap, topic, args.state_topic, overrides)
     if not args.serve:
         live.start()

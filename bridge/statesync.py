@@ -8,9 +8,11 @@ compaction keeps exactly the current state:
   AllBlocksCleared, StreamStarted/PublisherRestarted, PodRemoved).
 - ``["stream", pod, rank]`` -> the stream's metadata (model, epoch, last_seq, uncertain,
   lost_batches, tiers, the Kafka timestamp of its last record); a tombstone on PodRemoved.
-- ``["offsets", partition]`` -> ``{"topic", "next_offset", "counts", "markers"}``: the next
-  kv-events offset of that partition the state reflects, and that partition's share of
-  ``CacheState.applied``, ``.duplicates`` and ``.markers``.
+- ``["offsets"]`` -> ``{"topic", "partitions": {"<p>": {"next_offset", "counts", "markers"}}}``:
+  per kv-events partition, the next offset the state reflects and that partition's share of
+  ``CacheState.applied``, ``.duplicates`` and ``.markers``. One record for all partitions,
+  written last in every transaction: a loader that stops right after it stops on a
+  transaction boundary.
 
 Keys and values are compact JSON. Nothing here does I/O: :class:`StateSync` turns consumed
 records into changes, :class:`Pending` coalesces them until they are written in one
@@ -27,7 +29,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bridge.events import BlockRemoved, BlockStored
+from bridge.events import BlockRemoved, BlockStored, UnknownEvent
+from bridge.markers import EventsLost, PodRemoved
 from bridge.records import Record
 from bridge.state import CacheState, StreamState
 
@@ -52,8 +55,7 @@ def stream_key(pod: str, rank: int) -> bytes:
     return _dump(["stream", pod, rank])
 
 
-def offsets_key(partition: int) -> bytes:
-    return _dump(["offsets", partition])
+OFFSETS_KEY = _dump(["offsets"])
 
 
 def block_value(parent: bytes | None, epoch: int | None) -> bytes:
@@ -105,7 +107,7 @@ class StateSync:
 
     def apply(self, partition: int, offset: int, timestamp_ms: int, rec: Record) -> list[Change]:
         """Apply one consumed kv-events record; returns the kv-state changes it implies
-        (blocks and stream metadata; offsets records come from :meth:`offsets_changes`)."""
+        (blocks and stream metadata; the offsets record comes from :meth:`offsets_record`)."""
         env, ev = rec.envelope, rec.event
         key = (env.pod, env.dp_rank)
         state = self.state
@@ -127,14 +129,17 @@ class StateSync:
                 elif old is _MISSING or old != new or st.epoch != epoch:
                     changes.append((block_key(*key, *tier_key, h), block_value(new, st.epoch)))
             affected = [key]
+        elif isinstance(ev, EventsLost | UnknownEvent):
+            self._apply(partition, rec)  # no block changes
+            affected = [key]
         else:
-            # Clears, markers, unknown events: rare; diff the whole stream (or pod).
-            affected = sorted(k for k in state.streams if k[0] == env.pod)
-            if key not in affected:
-                affected.append(key)
+            # Clears, restarts, PodRemoved: rare; diff the whole stream (the pod's streams).
+            if isinstance(ev, PodRemoved):
+                affected = sorted({key} | {k for k in state.streams if k[0] == env.pod})
+            else:
+                affected = [key]
             before_blocks = self._snapshot(affected)
             self._apply(partition, rec)
-            affected = sorted(set(affected) | {k for k in state.streams if k[0] == env.pod})
             after_blocks = self._snapshot(affected)
             for k in before_blocks.keys() - after_blocks.keys():
                 changes.append((k, None))
@@ -142,10 +147,10 @@ class StateSync:
                 if before_blocks.get(k) != v:
                     changes.append((k, v))
         self.offsets[partition] = offset + 1
+        if key in state.streams:
+            self.last_ts_ms[key] = timestamp_ms
         for k in affected:
-            if k in state.streams:
-                self.last_ts_ms[k] = timestamp_ms
-            else:
+            if k not in state.streams:
                 self.last_ts_ms.pop(k, None)
             meta = stream_meta(state, k, self.last_ts_ms.get(k))
             changes.append((stream_key(*k), None if meta is None else _dump(meta)))
@@ -169,21 +174,18 @@ class StateSync:
                 if n:
                     mine[name] += n
 
-    def offsets_changes(self, partitions: Iterable[int]) -> list[Change]:
-        """The offsets records of ``partitions``: written in the same transaction as the
-        block changes of the records consumed from them."""
-        out = []
-        for p in sorted(set(partitions)):
-            if p not in self.offsets:
-                continue
-            value = {
-                "topic": self.events_topic,
-                "next_offset": self.offsets[p],
+    def offsets_record(self) -> Change:
+        """The offsets record: every partition's next offset and counters. Written last in
+        each transaction, after the changes of the records consumed up to those offsets."""
+        parts = {
+            str(p): {
+                "next_offset": n,
                 "counts": dict(sorted(self.counts.get(p, Counter()).items())),
                 "markers": dict(sorted(self.markers.get(p, Counter()).items())),
             }
-            out.append((offsets_key(p), _dump(value)))
-        return out
+            for p, n in sorted(self.offsets.items())
+        }
+        return OFFSETS_KEY, _dump({"topic": self.events_topic, "partitions": parts})
 
 
 @dataclass
@@ -202,8 +204,8 @@ class Pending:
         return len(self.changes)
 
     def records(self, sync: StateSync) -> list[Change]:
-        """Everything to write in one transaction: changes, then the offsets records."""
-        return [*self.changes.items(), *sync.offsets_changes(self.partitions)]
+        """Everything to write in one transaction: the changes, then the offsets record."""
+        return [*self.changes.items(), sync.offsets_record()]
 
     def clear(self) -> None:
         self.changes.clear()
@@ -218,7 +220,7 @@ def load(records: Iterable[Change], events_topic: str) -> tuple[StateSync, int]:
     """Rebuild a :class:`StateSync` from kv-state's records in log order (compacted or not).
 
     Returns it and the number of unreadable records (logged and skipped). Raises
-    StateTopicError if the offsets records belong to a different events topic."""
+    StateTopicError if the offsets record belongs to a different events topic."""
     latest: dict[bytes, bytes] = {}
     for k, v in records:
         if v is None:
@@ -254,12 +256,11 @@ def load(records: Iterable[Change], events_topic: str) -> tuple[StateSync, int]:
                         f"the state topic reflects events topic {value['topic']!r}, not "
                         f"{events_topic!r}; give the matching --topic or another --state-topic"
                     )
-                p = int(key[1])
-                sync.offsets[p] = int(value["next_offset"])
-                sync.counts[p] = Counter(
-                    {str(k): int(v) for k, v in (value.get("counts") or {}).items()}
-                )
-                sync.markers[p] = Counter(value.get("markers") or {})
+                for p, d in value["partitions"].items():
+                    p = int(p)
+                    sync.offsets[p] = int(d["next_offset"])
+                    sync.counts[p] = Counter({str(k): int(v) for k, v in d["counts"].items()})
+                    sync.markers[p] = Counter({str(k): int(v) for k, v in d["markers"].items()})
             else:
                 raise ValueError(f"unknown record kind {kind!r}")
         except StateTopicError:

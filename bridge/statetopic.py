@@ -2,10 +2,11 @@
 
 ``kvbridge state-sync`` consumes kv-events (read_committed) and keeps kv-state, a compacted
 single-partition topic, equal to the cache state those events build (see
-:mod:`bridge.statesync` for the records). Block records and the offsets records of the
-kv-events they reflect are written in one Kafka transaction, so a read_committed reader of
-kv-state never sees one without the other. A consumer bootstraps with :func:`bootstrap_state`
-and then tails kv-events from the returned offsets (docs/state-topic.md).
+:mod:`bridge.statesync` for the records). Block records and, last, the offsets record of
+the kv-events they reflect are written in one Kafka transaction, so a read_committed reader
+that stops after an offsets record has whole transactions only. A consumer bootstraps with
+:func:`bootstrap_state` and then tails kv-events from the returned offsets
+(docs/state-topic.md).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from bridge.records import Record, RecordCodec, RecordError
 from bridge.sink import ensure_topic
 from bridge.state import CacheState
-from bridge.statesync import Change, Pending, StateSync, load
+from bridge.statesync import OFFSETS_KEY, Change, Pending, StateSync, load
 
 log = logging.getLogger(__name__)
 
@@ -93,35 +94,40 @@ def read_state_records(
     state_topic: str,
     overrides: dict[str, Any] | None = None,
     timeout: float = 120.0,
-    idle_polls: int = 6,
+    idle_polls: int = 2,
 ) -> list[Change]:
-    """Every committed record of the state topic up to its end, in log order.
+    """The state topic's committed records, in log order, up to a transaction boundary.
 
-    Stops at the end seen when it starts, or earlier at an open transaction that makes no
-    progress for ``idle_polls`` polls: what it read then is still whole transactions."""
+    Reads (read_committed) at least to the end seen when it starts and stops right after an
+    offsets record, which state-sync writes last in every transaction: never inside one,
+    even when a fetch delivers a transaction in parts. When the position cannot reach the
+    end (transaction markers, an open transaction of a state-sync that crashed mid-commit),
+    it stops at the last boundary after ``idle_polls`` polls without records."""
     consumer = _consumer(bootstrap, overrides, "state-load")
     out: list[Change] = []
     try:
         md = consumer.list_topics(state_topic, timeout=10).topics.get(state_topic)
         if md is None or md.error is not None or not md.partitions:
             return out
-        ends: dict[int, int] = {}
-        starts: dict[int, int] = {}
-        for p in md.partitions:
-            lo, hi = consumer.get_watermark_offsets(TopicPartition(state_topic, p), timeout=10)
-            if hi > lo:
-                ends[p], starts[p] = hi, lo
-        if not ends:
+        if len(md.partitions) != 1:
+            raise RuntimeError(
+                f"state topic {state_topic!r} has {len(md.partitions)} partitions; kvbridge "
+                "state-sync writes exactly one"
+            )
+        tp = TopicPartition(state_topic, 0)
+        lo, end = consumer.get_watermark_offsets(tp, timeout=10)
+        if end <= lo:
             return out
-        consumer.assign([TopicPartition(state_topic, p, starts[p]) for p in ends])
-        remaining = set(ends)
+        consumer.assign([TopicPartition(state_topic, 0, lo)])
         deadline = time.monotonic() + timeout
+        at_boundary = False  # the last record read was an offsets record
         idle = 0
-        while remaining:
+        while True:
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"reading state topic {state_topic!r} took over {timeout:.0f}s; is the "
-                    "broker healthy?"
+                    f"reading state topic {state_topic!r} took over {timeout:.0f}s without "
+                    "reaching a transaction boundary; is the broker healthy, and is the topic "
+                    "written by kvbridge state-sync?"
                 )
             msgs = consumer.consume(5000, timeout=0.5)
             for msg in msgs:
@@ -131,18 +137,19 @@ def read_state_records(
                         raise KafkaException(err)
                     log.warning("kafka: %s", err)
                     continue
-                if msg.offset() < ends[msg.partition()]:
-                    out.append((msg.key(), msg.value()))
-            positions = consumer.position([TopicPartition(state_topic, p) for p in remaining])
-            for tp in positions:
-                if tp.offset >= ends[tp.partition]:
-                    remaining.discard(tp.partition)
+                out.append((msg.key(), msg.value()))
+                at_boundary = msg.key() == OFFSETS_KEY
             idle = 0 if msgs else idle + 1
-            if remaining and idle >= idle_polls:
-                log.warning(
-                    "state topic %s: an open transaction holds back the end; loaded the "
-                    "committed records before it",
-                    state_topic,
+            if not at_boundary:
+                continue  # inside a transaction: its rest is committed and on its way
+            (pos,) = consumer.position([tp])
+            if pos.offset >= end:
+                break
+            if idle >= idle_polls:
+                # Only transaction markers, aborted records or an open transaction are left
+                # before the end: what was read is still whole transactions.
+                log.debug(
+                    "state topic %s: stopped at offset %d of %d", state_topic, pos.offset, end
                 )
                 break
     finally:
@@ -157,7 +164,10 @@ def load_state(
     overrides: dict[str, Any] | None = None,
 ) -> StateSync:
     """The state and kv-events offsets the state topic holds (empty if it does not exist)."""
-    sync, skipped = load(read_state_records(bootstrap, state_topic, overrides), events_topic)
+    records = read_state_records(bootstrap, state_topic, overrides)
+    if not records:
+        log.info("state topic %s is empty or missing: the state starts empty", state_topic)
+    sync, skipped = load(records, events_topic)
     if skipped:
         log.warning("state topic %s: %d unreadable records skipped", state_topic, skipped)
     return sync

@@ -354,11 +354,9 @@ class StreamSubscriber:
     def sync_metrics(self) -> None:
         """Carry the sequencer's counters, the connection state and the time since the last
         message into Prometheus (called about once a second and when the bridge stops)."""
-        stats_of = getattr(self.pipeline, "stats", None)  # TEMP until pipeline.py lands
-        if stats_of is not None:
-            stats = stats_of(self.info)
-            # A stream fed by a shared listener has no connection of its own: no connected gauge.
-            stats.connection(self.connected if self.pub_endpoint else None, self.last_message)
+        stats = self.pipeline.stats(self.info)
+        # A stream fed by a shared listener has no connection of its own: no connected gauge.
+        stats.connection(self.connected if self.pub_endpoint else None, self.last_message)
         seq, pod = self.sequencer, self.info.pod
         current = (
             seq.gaps,

@@ -351,7 +351,7 @@ def test_dashboard_queries_only_metrics_the_bridge_exports() -> None:
         "kvbridge_producer_queue",
         "kvbridge_e2e_lag_seconds_bucket",
         "kvbridge_connected",
-        "kvbridge_seconds_since_last_message",
+        "kvbridge_seconds_since_last_event",
     ):
         assert name in used, f"no panel shows {name}"
     assert any(

@@ -47,7 +47,7 @@ LIVE_METRICS = (
     "kvbridge_producer_queue",
     "kvbridge_last_seq",
     "kvbridge_connected",
-    "kvbridge_seconds_since_last_message",
+    "kvbridge_seconds_since_last_event",
     "kvbridge_e2e_lag_seconds_bucket",
     "kvbridge_e2e_lag_seconds_sum",
     "kvbridge_e2e_lag_seconds_count",

@@ -10,10 +10,13 @@ from e2e_util import wait_for
 
 from bridge.config import PodConfig
 from bridge.records import Record
+from bridge.simulator.model import ModelConfig
 from bridge.simulator.pod import PodSpec, SimulatedFleet
 
 BATCHES = 80
 DROPPED = {10, 11, 40}  # two runs of missed live batches: two gaps, two replays
+# A small cache, so that evictions (BlockRemoved) and a clear come within a few dozen steps.
+CACHE = ModelConfig(capacity=48, clear_prob=0.02)
 
 
 def samples(bridge, name: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -42,6 +45,7 @@ def run_fleet(kafka_bootstrap: str, topic: str, **bridge_kw) -> tuple[object, li
             batches=BATCHES,
             seed=1,
             drop_seqs=frozenset(DROPPED),
+            cache=CACHE,
             wait_for_subscriber=True,
             start_delay=0.5,
         ),
@@ -52,6 +56,7 @@ def run_fleet(kafka_bootstrap: str, topic: str, **bridge_kw) -> tuple[object, li
             batches=BATCHES,
             seed=2,
             hash_mode="bytes",
+            cache=CACHE,
             wait_for_subscriber=True,
             start_delay=0.5,
         ),

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from bridge_util import read_all
 from confluent_kafka import Producer
-from e2e_util import Proc, free_port_block, wait_for
+from e2e_util import Proc, free_port_block, run_cli, wait_for
 
 from bridge.events import BlockRemoved, BlockStored, key64
 from bridge.markers import EventsLost, StreamStarted
@@ -32,7 +32,6 @@ from bridge.stateserve import (
     parse_prefix_query,
     prefix_view,
 )
-from bridge.statetopic import StateSyncer
 
 H = [bytes([0xA0 + i]) * 8 for i in range(6)]
 K = [key64(h) for h in H]
@@ -258,14 +257,21 @@ def test_cli_serves_after_bootstrapping_from_the_state_topic(kafka_bootstrap, ma
     state_topic = f"{topic}-state"
     w = Writer(kafka_bootstrap, topic)
     write_fleet(w)
-    syncer = StateSyncer(kafka_bootstrap, topic, state_topic)
-    syncer.open()
-    try:
-        syncer.run(threading.Event(), until_caught_up=True)
-    finally:
-        syncer.close()
+    sync = run_cli(
+        ["state-sync", "--bootstrap-servers", kafka_bootstrap, "--topic", topic]
+        + ["--state-topic", state_topic, "--until-caught-up"]
+    )
+    assert sync.returncode == 0, sync.stderr
     w.send("pod-b", 0, BlockRemoved([H[0]], medium="CPU"))  # after the snapshot
     w.flush()
+    # Without --serve: the state once caught up, printed as JSON.
+    once = run_cli(
+        ["state", "--bootstrap-servers", kafka_bootstrap, "--topic", topic]
+        + ["--state-topic", state_topic]
+    )
+    assert once.returncode == 0, once.stderr
+    assert strip(json.loads(once.stdout)["pods"]) == expected_pods(kafka_bootstrap, topic)
+    assert f"loaded {state_topic}: 3 streams" in once.stderr
 
     port = free_port_block(1)
     args = f"state --serve --port {port} --bootstrap-servers {kafka_bootstrap} --topic {topic}"

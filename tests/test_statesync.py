@@ -16,15 +16,16 @@ from collections import Counter
 
 import pytest
 from bridge_util import read_all, running_bridge
+from confluent_kafka import KafkaException, Producer
 from e2e_util import wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.checker import compare_with_sent
 from bridge.config import PodConfig
-from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored
+from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent
 from bridge.markers import EventsLost, PodRemoved, PublisherRestarted, StreamStarted
-from bridge.records import Envelope, Record
+from bridge.records import Envelope, Record, RecordCodec
 from bridge.simulator.model import ModelConfig
 from bridge.simulator.pod import PodSpec, SimulatedFleet
 from bridge.state import CacheState, StreamState
@@ -142,9 +143,13 @@ def test_each_event_maps_to_its_block_records_and_tombstones():
     )
     assert s.state.streams == {} and s.last_ts_ms == {}
 
-    ((key, value),) = decoded(s.offsets_changes([0, 3]))  # partition 3: nothing consumed
-    assert key == ("offsets", 0)
-    assert value["topic"] == "kv-events" and value["next_offset"] == 13
+    s.apply(1, 99, 1013, rec(StreamStarted(0, "tcp://x"), pod="other", index=-1))
+    ((key, value),) = decoded([s.offsets_record()])
+    assert key == ("offsets",) and value["topic"] == "kv-events"
+    assert set(value["partitions"]) == {"0", "1"}
+    assert value["partitions"]["1"]["next_offset"] == 100
+    value = value["partitions"]["0"]
+    assert value["next_offset"] == 13
     assert value["counts"] == {"applied": 12, "duplicates": 1}
     assert value["markers"] == {
         "EventsLost": 1,
@@ -162,13 +167,16 @@ def test_pending_coalesces_by_key_and_ends_with_the_offsets():
     records = decoded(pending.records(s))
     assert records[0] == (("block", "p", 0, None, None, H[0].hex()), None)  # last write wins
     assert [k for k, _ in records].count(("stream", "p", 0)) == 1
-    assert records[-1][0] == ("offsets", 2) and records[-1][1]["next_offset"] == 42
+    assert records[-1][0] == ("offsets",)  # last: the loader's transaction boundary
+    assert records[-1][1]["partitions"] == {
+        "2": {"next_offset": 42, "counts": {"applied": 2}, "markers": {}}
+    }
 
 
 def test_load_rejects_another_topic_and_skips_unreadable_records():
     s = StateSync("kv-events")
     changes = s.apply(0, 0, 5, rec(BlockStored([H[0]], None, [], 16)))
-    changes += s.offsets_changes([0])
+    changes.append(s.offsets_record())
     with pytest.raises(StateTopicError, match="reflects events topic 'kv-events'"):
         load(changes, "other")
     loaded, skipped = load([*changes, (b"not json", b"{}"), (b'["block"]', b"1")], "kv-events")
@@ -183,7 +191,7 @@ ops = st.lists(
     st.tuples(
         st.sampled_from(
             ["store", "store", "store", "remove", "remove", "clear", "lost", "restart", "dup"]
-            + ["started", "podremoved"]
+            + ["started", "podremoved", "unknown"]
         ),
         st.sampled_from(["p", "q"]),
         st.integers(0, 1),  # rank
@@ -224,6 +232,8 @@ def records_for(sequence) -> list[tuple[int, Record]]:
                 ev = BlockStored(hashes, H[7], [], 16, medium=medium, group_idx=group)
             elif op == "remove":
                 ev = BlockRemoved(hashes, medium=medium, group_idx=group)
+            elif op == "unknown":
+                ev = UnknownEvent("FutureEvent", b"\x90")
             else:
                 ev = AllBlocksCleared()
             r = rec(ev, pod, rank, seq, 0, epoch)
@@ -415,16 +425,80 @@ def test_state_sync_resumes_and_consumers_stitch_exactly(kafka_bootstrap, make_t
             }, f"{pod}/{rank}"
         assert any(stitched.resident(pod, rank) for pod, rank in certain)
 
-    # The stored topic has one record per resident block (after compaction), whole
-    # transactions only, and the offsets records of every partition with records.
+    # The stored topic holds one live record per resident block, and ends with the offsets
+    # record of every partition with records (the end of the last transaction).
     records = read_state_records(kafka_bootstrap, state_topic)
+    assert json.loads(records[-1][0]) == ["offsets"]
     latest = {k: v for k, v in records}
     blocks = [k for k, v in latest.items() if v is not None and json.loads(k)[0] == "block"]
     assert len(blocks) == sum(s.blocks() for s in replayed.streams.values())
-    offsets = {
-        json.loads(k)[1]: json.loads(v)["next_offset"]
-        for k, v in latest.items()
-        if json.loads(k)[0] == "offsets"
+    offsets = json.loads(records[-1][1])["partitions"]
+    assert {int(p): v["next_offset"] for p, v in offsets.items()} == final.offsets
+    assert set(final.offsets) == {p for p, n in ends.items() if n}
+
+
+def nonempty(offsets: dict[int, int]) -> dict[int, int]:
+    return {p: o for p, o in offsets.items() if o}
+
+
+def write_records(bootstrap: str, topic: str, pod: str, seqs: range, epoch: int = 1) -> None:
+    codec = RecordCodec()
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
+    for seq in seqs:
+        env = Envelope(pod, "m", 0, epoch, seq, 0, 0.0)
+        ev = BlockStored([seq.to_bytes(8, "big")], None, [], 16, medium="GPU", group_idx=0)
+        if seq % 3 == 2:
+            ev = BlockRemoved([(seq - 1).to_bytes(8, "big")], medium="GPU", group_idx=0)
+        producer.produce(topic, codec.encode(env, ev), pod.encode())
+    assert producer.flush(30) == 0
+
+
+@pytest.mark.kafka
+def test_a_crash_mid_transaction_is_invisible_and_the_next_state_sync_fences_it(
+    kafka_bootstrap, make_topic
+):
+    events = make_topic(partitions=2)
+    state_topic = f"{events}-state"
+    for pod in ("a", "b"):
+        write_records(kafka_bootstrap, events, pod, range(0, 30))
+    first = StateSyncer(kafka_bootstrap, events, state_topic)
+    first.open()
+    first.run(threading.Event(), until_caught_up=True)
+    committed = load_state(kafka_bootstrap, state_topic, events)
+    assert committed.offsets == nonempty(end_offsets(kafka_bootstrap, events))
+
+    # More events; the first state-sync applies them and "crashes" inside its transaction:
+    # the records are in the state topic's log, the commit never happens.
+    for pod in ("a", "b"):
+        write_records(kafka_bootstrap, events, pod, range(30, 60))
+    ends = nonempty(end_offsets(kafka_bootstrap, events))
+    wait_for(lambda: first.step(0.2) >= 0 and first.sync.offsets == ends, 30, "the new records")
+    records = first.pending.records(first.sync)
+    first.producer.begin_transaction()
+    for key, value in records:
+        first.producer.produce(state_topic, value, key)
+    assert first.producer.flush(30) == 0
+    first.tail.close()
+
+    # A reader sees the last committed snapshot only: blocks and offsets agree.
+    during = load_state(kafka_bootstrap, state_topic, events)
+    assert during.offsets == committed.offsets
+    assert_same_state(during.state, committed.state)
+
+    second = StateSyncer(kafka_bootstrap, events, state_topic)
+    second.open()  # fences the first and aborts its transaction
+    try:
+        assert second.resumed_from == committed.offsets
+        second.run(threading.Event(), until_caught_up=True)
+    finally:
+        second.close()
+    with pytest.raises(KafkaException):
+        first.producer.commit_transaction(10)
+    final = load_state(kafka_bootstrap, state_topic, events)
+    assert final.offsets == ends
+    assert_same_state(
+        final.state, replay_all(kafka_bootstrap, events, end_offsets(kafka_bootstrap, events))
+    )
+    assert final.state.resident("a", 0) == {
+        ("GPU", 0): {s.to_bytes(8, "big") for s in range(60) if s % 3 == 0}
     }
-    assert offsets == final.offsets
-    assert all(offsets[p] >= 1 for p in offsets)
