@@ -141,3 +141,48 @@ def test_metrics_match_the_topic_exactly_once(kafka_bootstrap, make_topic):
         kafka_bootstrap, topic, exactly_once=True, transactional_id=f"tx-{topic}"
     )
     check_counts(bridge, sent, records)
+
+
+def test_stream_stats_flush_moves_counts_once():
+    """Sans-I/O: plain counts reach Prometheus at flush, exactly once; gauges as given."""
+    from bridge.events import BlockRemoved, BlockStored
+    from bridge.metrics import BridgeMetrics, LagRecorder, StreamStats
+
+    m = BridgeMetrics()
+    st = StreamStats(m, "p", 1)
+    st.batches_live += 3
+    st.batches_replay += 1
+    st.events_in[BlockStored] = 5
+    st.events_in[BlockRemoved] = 2
+    st.add_out({BlockStored: 5}, 6)
+    st.last_seq = 41
+
+    def value(name: str, **labels: str) -> float:
+        v = m.registry.get_sample_value(name, labels)
+        return 0.0 if v is None else v
+
+    assert value("kvbridge_events_in_total", pod="p", type="BlockStored") == 0  # not yet
+    st.flush()
+    st.flush()  # nothing pending: no double counting
+    assert value("kvbridge_batches_in_total", pod="p", source="live") == 3
+    assert value("kvbridge_batches_in_total", pod="p", source="replay") == 1
+    assert value("kvbridge_events_in_total", pod="p", type="BlockStored") == 5
+    assert value("kvbridge_events_in_total", pod="p", type="BlockRemoved") == 2
+    assert value("kvbridge_events_out_total", pod="p", type="BlockStored") == 5
+    assert value("kvbridge_records_out_total", pod="p") == 6
+    assert value("kvbridge_last_seq", pod="p", dp_rank="1") == 41
+    st.events_in[BlockStored] = 1
+    st.flush()
+    assert value("kvbridge_events_in_total", pod="p", type="BlockStored") == 6
+
+    st.connection(None, 0.0, now=10.0)  # unknown connection, no message yet: nothing set
+    assert m.registry.get_sample_value("kvbridge_connected", {"pod": "p", "dp_rank": "1"}) is None
+    st.connection(True, 7.5, now=10.0)
+    assert value("kvbridge_connected", pod="p", dp_rank="1") == 1
+    assert value("kvbridge_seconds_since_last_event", pod="p", dp_rank="1") == 2.5
+
+    lag = LagRecorder(m)
+    lag.pending += [0.002, 0.2]
+    lag.flush()
+    lag.flush()
+    assert value("kvbridge_e2e_lag_seconds_count") == 2
