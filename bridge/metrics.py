@@ -197,7 +197,8 @@ class StreamStats:
 
 
 class LagRecorder:
-    """End-to-end lag samples (vLLM batch ts -> ack/commit), observed in bulk at flush."""
+    """End-to-end lag samples taken at an exactly-once commit, observed at the next flush
+    (at-least-once observes each batch's lag in its delivery callback)."""
 
     __slots__ = ("_hist", "pending")
 
