@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -23,7 +24,7 @@ from bridge.listener import SharedListener
 from bridge.markers import KAFKA_REFUSED, EventsLost, PodRemoved
 from bridge.metrics import BridgeMetrics
 from bridge.pipeline import Pipeline, StreamInfo
-from bridge.records import RecordCodec
+from bridge.records import RecordCodec, schema_dir
 from bridge.replaylimit import ReplayLimiter
 from bridge.sequencer import SequencerConfig, payload_digest
 from bridge.sharding import shard_of
@@ -147,6 +148,18 @@ class Bridge:
                 replication=c.topic_replication,
                 overrides=_admin_props(c.kafka),
             )
+            registry = getattr(self.codec, "registry", None)
+            if registry is not None and "{" in c.topic:
+                # Each topic a template yields gets its own subject (<topic>-value); the
+                # registry gives one id per schema, so the codec's header serves them all.
+                schema = json.loads((schema_dir() / "kv_event.avsc").read_text())
+                reg = registry.register(topic, schema)  # as writer_codec registered it
+                if reg.header != self.codec.header:
+                    raise RuntimeError(
+                        f"schema registry gave schema id {reg.schema_id} for {reg.subject}, "
+                        f"not the id registered for {topic_base(c.topic)}-value; this bridge "
+                        "writes one id to every topic: use a registry that ids schemas globally"
+                    )
             self._topics_ready.add(topic)
 
     def open(self) -> None:

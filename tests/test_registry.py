@@ -398,3 +398,23 @@ def test_bridge_writes_confluent_framing_and_consume_reads_it(
     res = run_cli(["consume", *common])
     assert res.stdout.strip() == ""
     assert "--schema-registry-url" in res.stderr
+
+
+def test_topic_template_registers_a_subject_per_topic(
+    kafka_bootstrap: str, fake_registry: FakeRegistry, tmp_path: Any
+) -> None:
+    base = f"srt-{tmp_path.name[-10:]}".replace("_", "-")
+    pods = [
+        PodConfig("a", "llama", "tcp://127.0.0.1:1"),
+        PodConfig("b", "qwen", "tcp://127.0.0.1:2"),
+    ]
+    with running_bridge(
+        kafka_bootstrap, base + ".{model}", pods, schema_registry_url=fake_registry.url
+    ) as bridge:
+        assert bridge.codec.header == confluent_header(1)
+    assert fake_registry.subjects == {
+        f"{base}-value": [1],
+        f"{base}.llama-value": [1],
+        f"{base}.qwen-value": [1],
+    }
+    assert all(fake_registry.config[s] == "BACKWARD" for s in fake_registry.subjects)
