@@ -138,6 +138,8 @@ class StreamSubscriber:
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        if "[" in self.pub_endpoint:  # tcp://[fd00::1a]:5557: IPv6 is off by default
+            sub.setsockopt(zmq.IPV6, 1)
         sub.connect(self.pub_endpoint)
         self.sub = sub
         self.registry.add(sub, self.on_sub_readable)
@@ -161,6 +163,8 @@ class StreamSubscriber:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)  # a replay may be large; the sequencer bounds the work
         dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        if "[" in self.replay_endpoint:
+            dealer.setsockopt(zmq.IPV6, 1)
         dealer.connect(self.replay_endpoint)
         self.dealer = dealer
         self.registry.add(dealer, self.on_dealer_readable)

@@ -150,3 +150,39 @@ def test_topic_template_validation(template, ok):
 def test_pod_config_uid_is_part_of_identity():
     a = PodConfig("p", "m", "tcp://h:1", uid="1")
     assert a != dataclasses.replace(a, uid="2")
+
+
+def test_ipv6_pod_endpoint(kafka_bootstrap, make_topic):
+    """A pod IP from Kubernetes may be IPv6 (tcp://[fd00::1a]:5557): the sockets enable it."""
+    import time
+
+    import zmq
+
+    from bridge.events import BlockStored, EventBatch
+    from bridge.vllm.encoder import encode_batch
+    from bridge.vllm.framing import live_frames
+
+    topic = make_topic()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.IPV6, 1)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://[::1]")
+    pod = PodConfig("v6", "m", f"tcp://[::1]:{port}")
+    try:
+        with running_bridge(kafka_bootstrap, topic, [pod], first_contact="live") as bridge:
+            wait_for(lambda: bridge.streams[0].connected, 30, "the IPv6 subscription")
+            seq = 0
+
+            def sent_and_seen() -> bool:
+                nonlocal seq
+                ev = BlockStored([seq.to_bytes(8, "big")], None, [1] * 16, 16)
+                payload = encode_batch(EventBatch(time.time(), [ev], 0), "0.33.0")
+                pub.send_multipart(live_frames(b"kv-events", seq, payload))
+                seq += 1
+                return any(r.envelope.index >= 0 for r in read_all(kafka_bootstrap, topic))
+
+            wait_for(sent_and_seen, 30, "an event from the IPv6 pod", interval=0.3)
+    finally:
+        pub.close()
+        ctx.term()

@@ -26,7 +26,9 @@ from bridge.simulator.pod import PodSpec, SimulatedFleet
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(240)]
 
-CACHE = ModelConfig(capacity=48, clear_prob=0.02, cpu_offload_prob=0.3, cpu_capacity=24)
+CACHE = ModelConfig(
+    capacity=48, clear_prob=0.02, cpu_offload_prob=0.3, cpu_capacity=24, duplicate_prob=0.1
+)
 SPECS = [
     # Dropped batches (recovered by replay), clears, a CPU tier.
     PodSpec(name="steady", release="0.33.0", rate=200, batches=120, drop_rate=0.05, seed=1,

@@ -593,3 +593,37 @@ def test_cli_runs_until_done(tmp_path, capsys):
     assert len(records) == 2 * 2 * 5
     out = capsys.readouterr().out
     assert out.count("pod-") >= 2 and "20 batches" in out
+
+
+def test_duplicate_prob_emits_vllm_duplicates_without_changing_the_state():
+    """Duplicate stores (cache hits reported again) and repeated removes leave the state a
+    consumer rebuilds equal to the model's: they are exactly what vLLM may legitimately send."""
+    cfg = ModelConfig(capacity=32, duplicate_prob=0.5, followup_prob=0.8)
+    m = PrefixCacheModel(Release.parse("0.33.0"), "int", 11, cfg)
+    state: dict = {}
+    dup_stores = dup_removes = 0
+    resident: set = set()
+    for _ in range(400):
+        events = [normalized(e, "int") for e in m.step()]
+        prev = None
+        for e in events:
+            if isinstance(e, BlockStored) and e.medium == "GPU":
+                dup_stores += all(h in resident for h in e.block_hashes)
+                resident.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                dup_removes += (
+                    isinstance(prev, BlockRemoved) and prev.block_hashes == e.block_hashes
+                )
+                resident.difference_update(e.block_hashes)
+            elif isinstance(e, AllBlocksCleared):
+                resident.clear()
+            prev = e
+        apply_events(state, events)
+        assert state == m.resident()
+    assert dup_stores >= 5 and dup_removes >= 5, (dup_stores, dup_removes)
+    # Off by default: the same seed without duplicates draws the same workload as before.
+    plain = PrefixCacheModel(Release.parse("0.33.0"), "int", 11, ModelConfig(capacity=32))
+    assert all(
+        not any(isinstance(e, BlockRemoved) and e == f for e, f in zip(ev, ev[1:], strict=False))
+        for ev in (plain.step() for _ in range(200))
+    )

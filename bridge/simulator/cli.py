@@ -184,6 +184,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="probability per engine step of a prefix-cache reset (AllBlocksCleared) (default 0)",
     )
     g.add_argument(
+        "--duplicate-prob",
+        type=_probability,
+        default=0.0,
+        metavar="P",
+        help="probability of vLLM's legitimate duplicates: a BlockStored repeated for a "
+        "request's cache hits (kv_cache_report_mode=full), a BlockRemoved sent twice (default 0)",
+    )
+    g.add_argument(
         "--cpu-offload-prob",
         type=_probability,
         default=0.0,
@@ -270,7 +278,10 @@ def build_specs(args: argparse.Namespace) -> list[PodSpec]:
     if args.exit_when_done and not args.batches:
         raise ValueError("--exit-when-done needs --batches N (otherwise pods never finish)")
     cache = ModelConfig(
-        capacity=args.capacity, clear_prob=args.clear_prob, cpu_offload_prob=args.cpu_offload_prob
+        capacity=args.capacity,
+        clear_prob=args.clear_prob,
+        cpu_offload_prob=args.cpu_offload_prob,
+        duplicate_prob=args.duplicate_prob,
     )
     dp = args.dp_size
     specs = []

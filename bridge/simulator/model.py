@@ -65,6 +65,9 @@ class ModelConfig:
     token_budget: int = 512  # tokens computed per step, all requests together
     clear_prob: float = 0.0  # AllBlocksCleared per step
     cpu_offload_prob: float = 0.0  # a newly cached GPU run is offloaded to CPU
+    # vLLM's legitimate duplicates: BlockStored again for a request's prefix-cache hits
+    # (kv_cache_report_mode="full", 0.26+) and a BlockRemoved repeated (connector chunk mode).
+    duplicate_prob: float = 0.0
     cpu_capacity: int = 4096  # CPU-tier blocks
     template_seed: int = 0  # same templates on every pod using the same value
 
@@ -75,7 +78,13 @@ class ModelConfig:
             raise ValueError("capacity must be >= 4 blocks")
         if self.cpu_capacity < 1:
             raise ValueError("cpu_capacity must be >= 1 block")
-        for name in ("followup_prob", "arrival_prob", "clear_prob", "cpu_offload_prob"):
+        for name in (
+            "followup_prob",
+            "arrival_prob",
+            "clear_prob",
+            "cpu_offload_prob",
+            "duplicate_prob",
+        ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be within [0, 1]")
         if self.max_running < 1 or self.token_budget < 1 or self.n_templates < 1:
@@ -167,7 +176,10 @@ class PrefixCacheModel:
         while self._waiting and len(self._running) < cfg.max_running:
             if not self._admit(self._waiting[0]):
                 break
-            self._waiting.pop(0)
+            req = self._waiting.pop(0)
+            if cfg.duplicate_prob and req.blocks and self._rng.random() < cfg.duplicate_prob:
+                hits = list(req.blocks)  # already resident: a duplicate store, by design
+                events.append(self._stored(hits, None, req.tokens[: len(hits) * cfg.block_size]))
         budget = cfg.token_budget
         for req in list(self._running):
             if budget <= 0:
@@ -297,6 +309,9 @@ class PrefixCacheModel:
         h, _ = self._free.popitem(last=False)
         del self._refs[h]
         events.append(self._removed(h, self.gpu_key[0], self.gpu_key[1]))
+        p = self.config.duplicate_prob
+        if p and self._rng.random() < p:
+            events.append(self._removed(h, self.gpu_key[0], self.gpu_key[1]))  # repeated
         return True
 
     def _preempt(self, req: _Request) -> None:
