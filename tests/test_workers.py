@@ -98,7 +98,7 @@ def test_workers_stop_cleanly_on_sigterm(kafka_bootstrap, make_topic, tmp_path):
         proc = Proc(args, tmp_path / "bridge.log")
         try:
             wait_for(lambda: len(children(proc.p.pid)) == 2, 30, "two worker processes")
-            wait_for(lambda: read_all(kafka_bootstrap, topic), 30, "records")
+            wait_for(lambda: read_all(kafka_bootstrap, topic), 90, "records")
         finally:
             code = proc.stop()
             print(proc.log_path.read_text(errors="replace"))
