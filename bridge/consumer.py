@@ -119,6 +119,19 @@ class StopAt:
         return cls(timestamp_ms=timestamp_ms)
 
 
+def records_of(msgs: list[Any]) -> Iterator[Any]:
+    """The messages of a ``consume()`` that carry records: a fatal client error raises,
+    others (a broker briefly away, ...) are logged and skipped."""
+    for msg in msgs:
+        err = msg.error()
+        if err is None:
+            yield msg
+        elif err.fatal():
+            raise KafkaException(err)
+        else:
+            log.warning("kafka: %s", err)
+
+
 class TopicReader:
     """Reads one topic with a manually assigned consumer (no rebalancing).
 
@@ -298,13 +311,7 @@ class TopicReader:
         idle = 0
         while remaining:
             msgs = self.consumer.consume(500, timeout=idle_timeout)
-            for msg in msgs:
-                err = msg.error()
-                if err is not None:
-                    if err.fatal():
-                        raise KafkaException(err)
-                    log.warning("kafka: %s", err)
-                    continue
+            for msg in records_of(msgs):
                 p, off = msg.partition(), msg.offset()
                 end = ends.get(p)
                 if p not in remaining or (end is not None and off >= end):

@@ -30,6 +30,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, ConfigResource
 
+from bridge.consumer import records_of
 from bridge.records import Record, RecordCodec, RecordError
 from bridge.sink import ensure_topic
 from bridge.state import CacheState
@@ -130,13 +131,7 @@ def read_state_records(
                     "written by kvbridge state-sync?"
                 )
             msgs = consumer.consume(5000, timeout=0.5)
-            for msg in msgs:
-                err = msg.error()
-                if err is not None:
-                    if err.fatal():
-                        raise KafkaException(err)
-                    log.warning("kafka: %s", err)
-                    continue
+            for msg in records_of(msgs):
                 out.append((msg.key(), msg.value()))
                 at_boundary = msg.key() == OFFSETS_KEY
             idle = 0 if msgs else idle + 1
@@ -259,13 +254,7 @@ class EventTail:
 
     def poll(self, timeout: float = 0.1, max_records: int = 2000) -> list[TailedRecord]:
         out = []
-        for msg in self.consumer.consume(max_records, timeout=timeout):
-            err = msg.error()
-            if err is not None:
-                if err.fatal():
-                    raise KafkaException(err)
-                log.warning("kafka: %s", err)
-                continue
+        for msg in records_of(self.consumer.consume(max_records, timeout=timeout)):
             p, off = msg.partition(), msg.offset()
             self.next[p] = off + 1
             try:
