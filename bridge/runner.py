@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import threading
@@ -34,6 +35,7 @@ from bridge.subscriber import ReconnectPolicy, SocketRegistry, StreamSubscriber
 log = logging.getLogger(__name__)
 
 TIMER_SCAN = 0.05  # seconds between scans of the streams' timers
+GC_GEN0_THRESHOLD = 20_000  # allocations between young collections in the event loop (default 700)
 
 
 class Bridge:
@@ -425,6 +427,13 @@ class Bridge:
         max_poll = self.config.poll_timeout
         c = self.config
         next_commit = time.monotonic() + (c.commit_interval if self.exactly_once else 1.0)
+        # The hot path allocates a few short-lived objects per event and makes no reference
+        # cycles: collect less often, and never rescan what start-up built (the varint table,
+        # schemas, sockets). ~4% of the loop's time went to the collector with the defaults.
+        gc_threshold = gc.get_threshold()
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(max(gc_threshold[0], GC_GEN0_THRESHOLD), *gc_threshold[1:])
         try:
             while not self.stop.is_set():
                 now = time.monotonic()
@@ -457,6 +466,8 @@ class Bridge:
                         s.sync_metrics()
                     self.pipeline.flush_metrics()
         finally:
+            gc.set_threshold(*gc_threshold)
+            gc.unfreeze()
             self.close()
 
     def _fire_timers(self, now: float) -> float:

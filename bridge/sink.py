@@ -208,6 +208,15 @@ class KafkaSink:
         """
         produce = self._producer.produce
         t = topic or self.topic
+        if every and on_delivery is not None:
+            # The common case. The callback is passed by position (partition -1: librdkafka's
+            # partitioner, by key): a keyword argument costs ~0.18 µs more per record.
+            for value in values:
+                try:
+                    produce(t, value, key, -1, on_delivery)
+                except (BufferError, KafkaException):
+                    self._produce_slow(key, value, on_delivery, t)
+            return
         last = len(values) - 1
         for i, value in enumerate(values):
             cb = on_delivery if every or i == last else None
@@ -215,7 +224,7 @@ class KafkaSink:
                 if cb is None:
                     produce(t, value, key)
                 else:
-                    produce(t, value, key, on_delivery=cb)
+                    produce(t, value, key, -1, cb)
             except (BufferError, KafkaException):
                 self._produce_slow(key, value, cb, t)
 
