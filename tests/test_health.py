@@ -207,7 +207,8 @@ def test_info_logs_state_changes_not_events(kafka_bootstrap, make_topic):
     lines = info(small)
     text = "\n".join(lines)
     assert "pod lg rank 0: connected to" in text
-    assert "pod lg rank 0: replay from seq 0" in text  # first contact
+    # (first contact asks for a replay from 0 only if the first batch it sees is not seq 0:
+    # that depends on whether the pod started before the subscription, so it is not asserted)
     assert "pod lg rank 0: replay from seq 10" in text  # the gap of the dropped batch
     assert "StreamStarted" in text and "PublisherRestarted" in text
     lost = [
