@@ -179,17 +179,7 @@ class KafkaSink:
         topic: str | None = None,
     ) -> None:
         """Queue one record; if the local queue is full, wait (backpressure) until it is not."""
-        cb = on_delivery or self._on_delivery
-        while True:
-            try:
-                self._producer.produce(topic or self.topic, value, key, on_delivery=cb)
-                return
-            except BufferError:
-                self._serve(0.05)
-                self.check_fatal()
-            except KafkaException as exc:
-                self._raise_if_fatal(exc)
-                raise
+        self._produce_slow(key, value, on_delivery or self._on_delivery, topic or self.topic)
 
     def produce_batch(
         self,
@@ -231,7 +221,7 @@ class KafkaSink:
     def _produce_slow(
         self, key: bytes, value: bytes, cb: Callable[..., None] | None, topic: str
     ) -> None:
-        """``produce`` when the fast path failed: wait out a full queue, raise a fatal error."""
+        """Produce one record, waiting out a full queue (backpressure); a fatal error raises."""
         while True:
             try:
                 if cb is None:
