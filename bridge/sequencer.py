@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = [
@@ -189,9 +189,10 @@ class EventsLost:
 
 @dataclass(frozen=True, slots=True)
 class SendReplay:
-    """Send ``[b"", start_seq.to_bytes(8, "big")]`` on the DEALER."""
+    """Send ``[b"", start_seq.to_bytes(8, "big")]`` on the DEALER; ``why`` is for the log."""
 
     start_seq: int
+    why: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,9 +357,10 @@ class StreamSequencer:
                 self._n_unverified_reconnects += 1
         if can_replay:
             if self._recovering:
-                self._restart_attempt(out, now)
+                self._restart_attempt(out, now, "reconnected during a replay")
             elif self._next > 0 or cfg.first_contact == "replay":
-                self._begin_recovery(out, now)
+                why = "reconnected" if self._next > 0 else "first contact"
+                self._begin_recovery(out, now, why)
         self._sync()
         return out
 
@@ -442,7 +444,7 @@ class StreamSequencer:
             out.append(ResetReplay())
             self._attempt_over(out, now, timed_out=True)
         if self._recovering and not self._in_flight and now >= self._retry_at:
-            self._send(out, now)
+            self._send(out, now, f"retry after {self._failures} failed attempt(s)")
         self._sync()
         return out
 
@@ -561,13 +563,13 @@ class StreamSequencer:
         elif nxt == 0:  # first message of this incarnation, and it is not seq 0
             if cfg.replay_enabled and cfg.first_contact == "replay" and now >= self._cooldown_until:
                 self._hold(seq, payload)
-                self._begin_recovery(out, now)
+                self._begin_recovery(out, now, f"first message is seq {seq}")
             else:
                 self._lose(out, 0, seq - 1, LOST_BEFORE_FIRST_CONTACT)
                 self._deliver(out, seq, payload, False)
         elif cfg.replay_enabled and now >= self._cooldown_until:
             self._hold(seq, payload)
-            self._begin_recovery(out, now)
+            self._begin_recovery(out, now, f"gap: seq {seq} arrived, {nxt} expected")
         else:
             reason = LOST_REPLAY_COOLDOWN if cfg.replay_enabled else LOST_REPLAY_DISABLED
             self._lose(out, nxt, seq - 1, reason)
@@ -611,7 +613,7 @@ class StreamSequencer:
         self._n_restarts_on_reconnect += 1
         self._restart(out, seq)
         if self._cfg.first_contact == "replay":
-            self._begin_recovery(out, now)
+            self._begin_recovery(out, now, "publisher restarted while disconnected")
         self._sync()
 
     def _hold(self, seq: int, payload: bytes) -> None:
@@ -620,19 +622,21 @@ class StreamSequencer:
         else:  # still in vLLM's ring: the recovery fetches it (it counts in _seen_max)
             self._n_held_dropped += 1
 
-    def _begin_recovery(self, out: list[Action], now: float) -> None:
+    def _begin_recovery(self, out: list[Action], now: float, why: str) -> None:
         self._recovering = True
         self._failures = 0
-        self._send(out, now)
+        self._send(out, now, why)
 
-    def _restart_attempt(self, out: list[Action], now: float) -> None:
+    def _restart_attempt(self, out: list[Action], now: float, why: str) -> None:
         if self._in_flight:
             out.append(ResetReplay())
-        self._send(out, now)
+        self._send(out, now, why)
 
-    def _send(self, out: list[Action], now: float) -> None:
+    def _send(self, out: list[Action], now: float, why: str) -> None:
         # A reconnect's check asks from the last delivered seq, to compare its payload.
-        out.append(SendReplay(self._last if self._verify else self._next))
+        if self._verify:
+            why += f"; checking that seq {self._last} is unchanged"
+        out.append(SendReplay(self._last if self._verify else self._next, why))
         self._n_replays_requested += 1
         self._in_flight = True
         self._attempt_first = True
@@ -662,7 +666,7 @@ class StreamSequencer:
             # A clean reply that moved forward but stopped short (tail cut, or a new gap
             # appeared among the held messages): ask again at once.
             self._failures = 0
-            self._send(out, now)
+            self._send(out, now, "the reply stopped short; asking for the rest")
             return
         self._n_replays_failed += 1
         self._failures = 1 if progressed else self._failures + 1

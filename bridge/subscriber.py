@@ -315,15 +315,16 @@ class StreamSubscriber:
                 )
             elif isinstance(action, SendReplay):
                 if self.limiter.acquire(self):
-                    self._send_replay(action.start_seq)
+                    self._send_replay(action.start_seq, action.why)
                 else:
                     self.replay_waiting = action.start_seq
                     log.info(
-                        "pod %s rank %d: replay from %d waits for a free replay slot "
+                        "pod %s rank %d: replay from %d (%s) waits for a free replay slot "
                         "(max %d in flight)",
                         self.info.pod,
                         self.info.dp_rank,
                         action.start_seq,
+                        action.why,
                         self.limiter.limit,
                     )
             elif isinstance(action, ResetReplay):
@@ -352,7 +353,7 @@ class StreamSubscriber:
         if start is None or not self.sequencer.replay_in_flight:
             self.limiter.release(self, now)
             return
-        self._send_replay(start)
+        self._send_replay(start, "after waiting for a replay slot")
         self.sequencer.on_replay_sent(now)
 
     def sync_metrics(self) -> None:
@@ -389,8 +390,14 @@ class StreamSubscriber:
                 counter.inc(now_value - before)
         self._synced = current
 
-    def _send_replay(self, start_seq: int) -> None:
-        log.info("pod %s rank %d: replay from seq %d", self.info.pod, self.info.dp_rank, start_seq)
+    def _send_replay(self, start_seq: int, why: str = "") -> None:
+        log.info(
+            "pod %s rank %d: replay from seq %d%s",
+            self.info.pod,
+            self.info.dp_rank,
+            start_seq,
+            f" ({why})" if why else "",
+        )
         if self.dealer is None:
             return  # no replay endpoint: the sequencer's timeout reports the loss
         try:

@@ -126,6 +126,8 @@ def test_first_live_without_connect_replays_unless_it_is_seq_zero():
     assert live(sq, 0, 1) == [StreamStarted(E, 0), D(0), D(1)]
     sq = make()
     assert live(sq, 3) == [SendReplay(0)]
+    sq = make()
+    assert live(sq, 3)[0].why == "first message is seq 3"
     assert replay(sq, [1, 2, 3]) == [
         StreamStarted(E, 0),
         EventsLost(E, 0, 0, LOST_NOT_IN_REPLAY_BUFFER),
@@ -161,7 +163,9 @@ def test_hot_path_is_a_single_deliver():
 
 def test_gap_recovered_by_replay():
     sq = running(0, 1)
-    assert live(sq, 4, now=1.0) == [SendReplay(2)]
+    actions = live(sq, 4, now=1.0)
+    assert actions == [SendReplay(2)]
+    assert actions[0].why == "gap: seq 4 arrived, 2 expected"  # what the log line says
     assert sq.gaps == 1 and sq.next_deadline() == pytest.approx(1.0 + 2.0)
     assert live(sq, 5) == []
     assert replay(sq, [2, 3, 4, 5, 6], now=1.1) == [D(2, True), D(3, True), D(4), D(5), D(6, True)]

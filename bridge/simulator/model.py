@@ -10,8 +10,10 @@ What it imitates (spec §4.2, §7):
 * chunked prefill under a per-step token budget, then decoding one token per step;
   a block enters the prefix cache when it is full;
 * block hashes chained like vLLM: ``sha256(parent digest + the block's token ids)``,
-  32-byte digests; the first block's parent is ``NONE_HASH``, random per model
-  instance (i.e. per engine incarnation);
+  32-byte digests; the first block's parent is ``NONE_HASH``: up to 0.28 random per model
+  instance (per engine incarnation, as without ``PYTHONHASHSEED``), from 0.29 derived from
+  vLLM's fixed default seed ``"vllm-none-hash"`` for the sha256 algorithms (spec §5), so
+  every pod and incarnation of those releases hashes a shared prefix the same way;
 * one ``BlockStored`` per request per step for the blocks it newly cached (oldest
   first, parent = the hash before the first one), blocks held by running requests are
   pinned, LRU eviction of unpinned blocks when ``capacity`` is reached (one
@@ -40,6 +42,10 @@ from bridge.vllm.encoder import normal_hash
 from bridge.vllm.releases import Release
 
 MAX_TOKEN_ID = 150_000
+# vLLM 0.29+ seeds NONE_HASH for the sha256 algorithms with a fixed default (spec §5); the
+# simulator's chain hashing is its own, so is this digest of the seed.
+FIXED_NONE_HASH_SINCE = Release(0, 29, 0)
+FIXED_NONE_HASH = hashlib.sha256(b"vllm-none-hash").digest()
 _MAX_WAITING_FACTOR = 4  # arrivals beyond max_running * this are turned away
 GPU = "GPU"
 CPU = "CPU"
@@ -140,7 +146,8 @@ class PrefixCacheModel:
         self.hash_mode = hash_mode
         self.config = config or ModelConfig()
         self._rng = random.Random(f"kvbridge-model:{seed}")
-        self.none_hash = self._rng.randbytes(32)
+        random_none_hash = self._rng.randbytes(32)  # drawn always: keeps the rng stream
+        self.none_hash = FIXED_NONE_HASH if release >= FIXED_NONE_HASH_SINCE else random_none_hash
         self._templates = templates if templates is not None else shared_templates(self.config)
         stored = set(release.stored_fields)
         self._has_medium = "medium" in stored
