@@ -9,18 +9,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.request import urlopen
 
 from bench import procstat
+from bridge import localrun
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,81 +33,16 @@ __all__ = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = localrun.free_port
+free_port_block = localrun.free_port_block
+wait = localrun.wait_until
 
 
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32_768
-
-
-def free_port_block(n: int) -> int:
-    """A base port such that base .. base+n-1 are free on 127.0.0.1 right now.
-
-    Taken from 10000-20000: below the kernel's ephemeral range (where outgoing connections,
-    e.g. to Kafka, get their local ports) and below the simulator's own automatic ports.
-    """
-    hi = min(20_000, _ephemeral_low()) - n
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(10_000, max(10_001, hi))
-        ok = True
-        for port in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError(f"found no block of {n} free ports on 127.0.0.1")
-
-
-def wait(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll ``cond`` until truthy; TimeoutError naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
-
-class Proc:
-    """A child process with its output in ``log_path``."""
+class Proc(localrun.ChildProc):
+    """A child process with its output in ``log_path``; CPU and memory from /proc."""
 
     def __init__(self, argv: list[str], log_path: Path, stdin: int | None = None) -> None:
-        self.argv = argv
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
-        self.p = subprocess.Popen(
-            argv,
-            cwd=REPO,
-            stdin=subprocess.DEVNULL if stdin is None else stdin,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-        self.pid = self.p.pid
-        self._paused = False
-
-    def output(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def tail(self, lines: int = 15) -> str:
-        return "\n".join(self.output().splitlines()[-lines:])
+        super().__init__(argv, log_path, cwd=REPO, stdin=stdin)
 
     def check_alive(self, what: str) -> None:
         if self.p.poll() is not None:
@@ -123,27 +55,6 @@ class Proc:
 
     def memory(self) -> dict[str, int]:
         return procstat.memory_bytes(self.pid)
-
-    def pause(self) -> None:
-        os.kill(self.pid, signal.SIGSTOP)
-        self._paused = True
-
-    def resume(self) -> None:
-        os.kill(self.pid, signal.SIGCONT)
-        self._paused = False
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.p.poll() is None:
-            if self._paused:
-                self.resume()
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        self._log.close()
-        return self.p.returncode
 
 
 class SimProc(Proc):

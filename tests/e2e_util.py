@@ -3,83 +3,32 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from bridge import localrun
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port_block(n: int) -> int:
     """A base port such that base..base+n-1 are all free on 127.0.0.1 right now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no block of free ports found")
+    return localrun.free_port_block(n)
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    """Poll ``cond`` until truthy; an AssertionError naming ``what`` after ``timeout`` s."""
+    return localrun.wait_until(cond, timeout, what, interval)
 
 
-class Proc:
+class Proc(localrun.ChildProc):
     """A `python -m bridge ...` subprocess whose output goes to a file shown on failure."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.log_path = log_path
-        self.log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", "bridge", *args],
-            cwd=REPO,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-        )
-
-    def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        return self.p.poll() is None
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        self.log.close()
-        return self.p.returncode
+        super().__init__([sys.executable, "-m", "bridge", *args], log_path, cwd=REPO, env=env)
 
 
 def run_cli(args: list[str], timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
