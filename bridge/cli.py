@@ -12,7 +12,7 @@ from dataclasses import fields
 from typing import Any
 
 from bridge import __version__
-from bridge.cliargs import add_kafka_args, kv_pairs
+from bridge.cliargs import add_kafka_args, add_listen_args, kv_pairs, resolve_listen
 from bridge.config import (
     AIBRIX_ALIASES,
     KAFKA_ENV_PREFIX,
@@ -261,6 +261,7 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     from bridge.discovery.setup import add_discovery_args
 
     add_discovery_args(run)
+    add_listen_args(run)
     _log_args(run)
     config = sub.add_parser("config", help="check the run configuration")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
@@ -416,6 +417,7 @@ def resolve_run_config(
     from bridge.discovery.setup import resolve_discovery
 
     resolve_discovery(cfg, pick)
+    resolve_listen(cfg, pick)
     layers = (
         (file_source, {str(k): kafka_value(v) for k, v in file.get("kafka", {}).items()}),
         ("env", env_kafka_properties(dict(environ))),
@@ -461,11 +463,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         return supervise(
             args.argv, args.workers, cfg.shard_index, cfg.shard_count, cfg.metrics_port
         )
-    if not cfg.pods and cfg.discovery == "static":
+    if not cfg.pods and cfg.discovery == "static" and not cfg.listen_discover:
         raise ConfigError(
             "no pods to follow: give --pod name=NAME,model=MODEL,pub=tcp://HOST:5557,"
             "replay=tcp://HOST:5558 (repeatable), KVBRIDGE_PODS, or [[pods]] in --config, "
-            "or --discovery kubernetes|dns"
+            "or --discovery kubernetes|dns, or --listen with --listen-discover"
         )
     bridge = Bridge(cfg)
     if cfg.metrics_port:

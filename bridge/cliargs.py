@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
-from bridge.config import ConfigError, env_kafka_properties, env_settings
+from bridge.config import BridgeConfig, ConfigError, env_kafka_properties, env_settings
 from bridge.records import RecordCodec
 
 
@@ -37,6 +39,75 @@ def add_kafka_args(p: argparse.ArgumentParser, topic_help: str = "topic of the e
         help="a schema registry client property, e.g. basic.auth.user.info=USER:PASSWORD "
         "(repeatable)",
     )
+
+
+def add_listen_args(run: argparse.ArgumentParser) -> None:
+    """``--listen-discover`` and its settings (pods that connect to the ``--listen`` socket)."""
+    g = run.add_argument_group(
+        "pods that connect (--listen)",
+        "llm-d's centralized layout: every vLLM pod connects its PUB to the --listen socket and "
+        "names itself in the topic kv@<pod-id>@<model>",
+    )
+    g.add_argument(
+        "--listen-discover",
+        action="store_true",
+        default=None,
+        help="follow every pod whose topic is kv@<pod-id>@<model> (split at the first two '@': "
+        "the model may contain '@') without a --pod for it; the pod is named by its pod id and "
+        "gets the DP rank of the listen port it arrived on (env KVBRIDGE_LISTEN_DISCOVER)",
+    )
+    g.add_argument(
+        "--listen-replay",
+        metavar="TEMPLATE",
+        help="replay endpoint of discovered pods, {pod} replaced by the pod id (llm-d: the pod "
+        "IP), e.g. tcp://{pod}:5558; rank r uses port + r. Without it gaps of discovered pods "
+        "are written as EventsLost (env KVBRIDGE_LISTEN_REPLAY)",
+    )
+    g.add_argument(
+        "--listen-max-pods",
+        type=int,
+        metavar="N",
+        help="most pods followed by discovery; messages of further pods are dropped and counted "
+        "as kvbridge_decode_errors_total{pod=listener,kind=too_many_pods} (default 1024)",
+    )
+    g.add_argument(
+        "--listen-ranks",
+        type=int,
+        metavar="N",
+        help="data-parallel ranks to listen for: binds port..port+N-1 (default 1, or the "
+        "largest dp= of the --pod specs with topic=)",
+    )
+
+
+def resolve_listen(cfg: BridgeConfig, pick: Callable[..., Any]) -> None:
+    """Fill ``cfg``'s listen-discovery settings with ``pick(name, conv)`` (flag > env > file);
+    after ``listen`` and the shard settings are resolved."""
+    from bridge.configcheck import boolean
+    from bridge.listentopics import check_replay_template
+
+    cfg.listen_discover = pick("listen_discover", boolean)
+    cfg.listen_replay = pick("listen_replay")
+    cfg.listen_max_pods = pick("listen_max_pods", int)
+    cfg.listen_ranks = pick("listen_ranks", int)
+    if cfg.listen_max_pods < 1:
+        raise ConfigError(f"listen_max_pods={cfg.listen_max_pods}: must be a whole number >= 1")
+    if cfg.listen_ranks < 1:
+        raise ConfigError(f"listen_ranks={cfg.listen_ranks}: must be a whole number >= 1")
+    if cfg.listen_replay is not None:
+        check_replay_template(cfg.listen_replay)
+    if not cfg.listen_discover:
+        return
+    if cfg.listen is None:
+        raise ConfigError(
+            "listen_discover needs a listen socket: give --listen tcp://*:5557 (the address "
+            "the vLLM pods' kv-events endpoint connects to)"
+        )
+    if cfg.shard_count > 1:
+        raise ConfigError(
+            f"listen_discover with shard_count={cfg.shard_count}: a vLLM pod connects its PUB "
+            "to one address, so a replica receives the pods that connected to it, not the ones "
+            "its shard owns; run one bridge (shard_count 1, --workers 1) per listen address"
+        )
 
 
 def kv_pairs(items: list[str], what: str = "--kafka-property") -> dict[str, str]:

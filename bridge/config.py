@@ -174,6 +174,12 @@ class BridgeConfig:
     topic_replication: int = -1  # -1: the broker's default.replication.factor
     pods: list[PodConfig] = field(default_factory=list)
     listen: str | None = None  # one SUB the bridge binds; pods without pub= connect to it
+    # follow pods named by kv@<pod>@<model> topics on the listen socket (llm-d), at most
+    # listen_max_pods of them; listen_replay ("tcp://{pod}:5558") gives them replay endpoints
+    listen_discover: bool = False
+    listen_replay: str | None = None
+    listen_max_pods: int = 1024
+    listen_ranks: int = 1  # listen sockets bound: port..port+N-1 for DP ranks 0..N-1
     metrics_port: int = 9400  # 0 disables the HTTP endpoint
     metrics_host: str = "0.0.0.0"
     first_contact: str = "replay"

@@ -328,7 +328,7 @@ def run_config_check(args: Any, resolve: Callable[..., BridgeConfig], out: Any =
     sources: dict[str, str] = {}
     notes: list[str] = []
     cfg = resolve(args, sources=sources, notes=notes)
-    if not cfg.pods and getattr(cfg, "discovery", "static") == "static":
+    if not cfg.pods and getattr(cfg, "discovery", "static") == "static" and not cfg.listen_discover:
         raise ConfigError(
             "no pods to follow: give --pod name=NAME,model=MODEL,pub=tcp://HOST:5557,"
             "replay=tcp://HOST:5558 (repeatable), KVBRIDGE_PODS, or [[pods]] in --config"

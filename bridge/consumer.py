@@ -18,13 +18,18 @@ offsets (``TopicReader(..., group_id=...)``, then :meth:`TopicReader.commit`). W
 (:class:`StopAt`): the end seen when reading began (the default), offsets per partition, a
 timestamp, or never (``follow=True``). Reads are ``read_committed``: records of aborted
 transactions never show.
+
+:meth:`TopicReader.read` assigns the partitions itself; :meth:`TopicReader.read_group` joins
+the consumer group instead, so that its members share the partitions (and rebalance when
+members come and go) while following the topic.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,15 +138,19 @@ def records_of(msgs: list[Any]) -> Iterator[Any]:
 
 
 class TopicReader:
-    """Reads one topic with a manually assigned consumer (no rebalancing).
+    """Reads one topic: :meth:`read` with manually assigned partitions (no rebalancing), or
+    :meth:`read_group` as a member of a consumer group that shares the partitions.
 
     ``group_id``: a consumer group whose committed offsets :meth:`read` can start from
     (``StartAt.committed()``) and :meth:`commit` advances; without it, a throwaway group
     that commits nothing. ``overrides``: any librdkafka consumer properties.
 
-    After (or during) :meth:`read`: ``next_offsets`` {partition: the offset after the last
+    After (or during) a read: ``next_offsets`` {partition: the offset after the last
     record read}, ``start_offsets`` and ``end_offsets`` (where each partition started and
     where it stops; None while following without a bound), ``records_read``, ``skipped``.
+    In :meth:`read_group` these cover the partitions the member owns now (``assigned``).
+    ``before_commit``: called before every commit (e.g. to flush output the commit vouches
+    for).
     """
 
     def __init__(
@@ -173,9 +182,19 @@ class TopicReader:
         self.next_offsets: dict[int, int] = {}
         self.start_offsets: dict[int, int] = {}
         self.end_offsets: dict[int, int | None] = {}
+        self.assigned: frozenset[int] = frozenset()
+        self.before_commit: Callable[[], None] | None = None
+        self._cooperative = "cooperative" in str(conf.get("partition.assignment.strategy", ""))
+        self._fallback = "beginning"
+        self._stopping = threading.Event()
 
     def close(self) -> None:
         self.consumer.close()
+
+    def stop(self) -> None:
+        """Make :meth:`read`/:meth:`read_group` return at their next poll (within
+        ``idle_timeout``), for good; safe to call from another thread."""
+        self._stopping.set()
 
     def __enter__(self) -> TopicReader:
         return self
@@ -262,6 +281,29 @@ class TopicReader:
             TopicPartition(self.topic, partition), timeout=10, cached=False
         )
 
+    def _resolve(self, p: int, offset: int) -> tuple[int, int]:
+        """(the real offset to start ``p`` at, its end now): OFFSET_BEGINNING/OFFSET_END
+        resolved, an offset gone by retention or past the end clamped (with a warning)."""
+        lo, hi = self.watermarks(p)
+        if offset == OFFSET_END:
+            return hi, hi
+        if offset == OFFSET_BEGINNING or offset < lo:
+            if offset != OFFSET_BEGINNING:
+                log.warning(
+                    "partition %d: offset %d is gone (retention); starting at %d", p, offset, lo
+                )
+            return lo, hi
+        if offset > hi:
+            log.warning(
+                "partition %d: offset %d is past the end (%d): was the topic recreated? "
+                "starting at the end",
+                p,
+                offset,
+                hi,
+            )
+            return hi, hi
+        return offset, hi
+
     def read(
         self,
         start: StartAt | None = None,
@@ -269,10 +311,13 @@ class TopicReader:
         to_offset: int | None = None,
         idle_timeout: float = 1.0,
         stop: StopAt | None = None,
+        tick: Callable[[], None] | None = None,
     ) -> Iterator[ConsumedRecord]:
         """Records from ``start`` up to ``stop`` (and ``to_offset``, inclusive, in every
         partition). Without ``follow``, a partition without a bound stops at the end it had
-        when reading began; with it, such a partition is read until the caller stops."""
+        when reading began; with it, such a partition is read until the caller stops (or
+        :meth:`stop`). ``tick``: called before every poll (at least every ``idle_timeout``
+        seconds, also while no records come), when every record yielded so far is handled."""
         start = start or StartAt()
         self.start_offsets, self.end_offsets, self.next_offsets = {}, {}, {}
         parts = self.partitions()
@@ -280,27 +325,7 @@ class TopicReader:
         bounds = self._stop_offsets(stop, to_offset, parts)
         ends: dict[int, int | None] = {}
         for p in offsets:
-            lo, hi = self.watermarks(p)
-            if offsets[p] == OFFSET_END:
-                offsets[p] = hi
-            elif offsets[p] == OFFSET_BEGINNING or offsets[p] < lo:
-                if offsets[p] != OFFSET_BEGINNING:
-                    log.warning(
-                        "partition %d: offset %d is gone (retention); starting at %d",
-                        p,
-                        offsets[p],
-                        lo,
-                    )
-                offsets[p] = lo
-            elif offsets[p] > hi:
-                log.warning(
-                    "partition %d: offset %d is past the end (%d): was the topic recreated? "
-                    "starting at the end",
-                    p,
-                    offsets[p],
-                    hi,
-                )
-                offsets[p] = hi
+            offsets[p], hi = self._resolve(p, offsets[p])
             bound = bounds.get(p)
             ends[p] = bound if follow else min(hi, bound if bound is not None else hi)
         self.start_offsets = dict(offsets)
@@ -309,7 +334,9 @@ class TopicReader:
         remaining = {p for p in offsets if ends[p] is None or offsets[p] < ends[p]}
         self.consumer.assign([TopicPartition(self.topic, p, o) for p, o in offsets.items()])
         idle = 0
-        while remaining:
+        while remaining and not self._stopping.is_set():
+            if tick is not None:
+                tick()
             msgs = self.consumer.consume(500, timeout=idle_timeout)
             for msg in records_of(msgs):
                 p, off = msg.partition(), msg.offset()
@@ -349,6 +376,139 @@ class TopicReader:
                     )
                     return
 
+    def read_group(
+        self,
+        fallback: StartAt | None = None,
+        idle_timeout: float = 1.0,
+        tick: Callable[[], None] | None = None,
+    ) -> Iterator[ConsumedRecord]:
+        """Follow the topic as a member of the consumer group (``subscribe()``): the members
+        share the partitions, and the group rebalances when members join or leave. Never
+        ends by itself: the caller breaks out (or calls :meth:`stop`), then :meth:`commit`.
+
+        Each partition assigned to this member starts at the group's committed offset, or,
+        where none is committed, at ``fallback``: ``StartAt.beginning()`` (the default;
+        ``StartAt.committed()`` means the same) or ``StartAt.end()``. Before partitions are
+        taken away, the offsets after the records yielded from them are committed
+        synchronously, so the next owner continues exactly there. Every record yielded is
+        taken as handled once the caller asks for the next one. ``tick``: as in :meth:`read`.
+        """
+        if self.group_id is None:
+            raise ReaderError("sharing partitions needs a consumer group: give --group ID")
+        kind = (fallback or StartAt.beginning()).kind
+        if kind not in ("beginning", "end", "committed"):
+            raise ReaderError(
+                "a group member starts each partition at the group's committed offset; where "
+                "none is committed, it can only fall back to the beginning or the end "
+                f"(not {kind!r})"
+            )
+        self._fallback = "end" if kind == "end" else "beginning"
+        self.start_offsets, self.end_offsets, self.next_offsets = {}, {}, {}
+        self.assigned = frozenset()
+        self.partitions()  # a clear error for a missing topic
+        self.consumer.subscribe(
+            [self.topic],
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_lost,
+        )
+        while not self._stopping.is_set():
+            if tick is not None:
+                tick()
+            msgs = self.consumer.consume(500, timeout=idle_timeout)
+            for msg in records_of(msgs):
+                p, off = msg.partition(), msg.offset()
+                nxt = self.next_offsets.get(p)
+                if nxt is None or off < nxt:
+                    # Not ours any more (fetched before a rebalance), or already read.
+                    log.debug(
+                        "partition %d offset %d: not read (owned: %s)", p, off, nxt is not None
+                    )
+                    continue
+                self.next_offsets[p] = off + 1
+                self.records_read += 1
+                try:
+                    rec = self.codec.decode(msg.value())
+                except RecordError as exc:
+                    self.skipped += 1
+                    log.warning("partition %d offset %d: skipped: %s", p, off, exc)
+                else:
+                    yield ConsumedRecord(p, off, msg.timestamp()[1], rec)
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Start each newly assigned partition at its committed offset (else the fallback)."""
+        parts = sorted(tp.partition for tp in partitions)
+        if not parts:
+            return
+        try:
+            got = consumer.committed([TopicPartition(self.topic, p) for p in parts], timeout=10)
+        except KafkaException as exc:
+            raise ReaderError(
+                f"group {self.group_id!r}: cannot read its committed offsets ({exc}); is the "
+                "broker reachable?"
+            ) from None
+        fallback = OFFSET_END if self._fallback == "end" else OFFSET_BEGINNING
+        tps = []
+        for tp in got:
+            start, _ = self._resolve(tp.partition, tp.offset if tp.offset >= 0 else fallback)
+            self.start_offsets[tp.partition] = start
+            self.next_offsets[tp.partition] = start
+            self.end_offsets[tp.partition] = None
+            tps.append(TopicPartition(self.topic, tp.partition, start))
+        self.assigned = self.assigned | frozenset(parts)
+        if self._cooperative:
+            consumer.incremental_assign(tps)
+        else:
+            consumer.assign(tps)
+        log.info(
+            "group %s: assigned partitions %s (starting at %s); owns %s",
+            self.group_id,
+            ",".join(map(str, parts)),
+            ",".join(f"{tp.partition}:{tp.offset}" for tp in tps),
+            ",".join(map(str, sorted(self.assigned))) or "none",
+        )
+
+    def _forget(self, parts: list[int]) -> None:
+        for p in parts:
+            self.next_offsets.pop(p, None)
+            self.start_offsets.pop(p, None)
+            self.end_offsets.pop(p, None)
+        self.assigned = self.assigned - frozenset(parts)
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Commit where the revoked partitions stand, before giving them up."""
+        parts = sorted(tp.partition for tp in partitions if tp.partition in self.next_offsets)
+        if parts:
+            try:
+                done = self.commit(partitions=parts)
+            except KafkaException as exc:
+                log.warning(
+                    "group %s: could not commit partitions %s before giving them up (%s); "
+                    "their next owner starts at their previous commit",
+                    self.group_id,
+                    ",".join(map(str, parts)),
+                    exc,
+                )
+            else:
+                log.info(
+                    "group %s: revoked partitions %s (committed %s)",
+                    self.group_id,
+                    ",".join(map(str, parts)),
+                    ",".join(f"{p}:{o}" for p, o in sorted(done.items())),
+                )
+        self._forget([tp.partition for tp in partitions])
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Partitions lost (e.g. the session timed out): nothing can be committed for them."""
+        parts = sorted(tp.partition for tp in partitions)
+        log.warning(
+            "group %s: lost partitions %s without committing (session timed out?); their next "
+            "owner starts at their last commit",
+            self.group_id,
+            ",".join(map(str, parts)),
+        )
+        self._forget(parts)
+
     def progress(self) -> tuple[int, int | None]:
         """(offsets read so far, offsets to read in all; None when unbounded) over the
         partitions of the current :meth:`read`."""
@@ -358,17 +518,22 @@ class TopicReader:
         total = sum(max(0, (e or 0) - self.start_offsets[p]) for p, e in self.end_offsets.items())
         return done, total
 
-    def commit(self, asynchronous: bool = False) -> dict[int, int]:
-        """Commit ``next_offsets`` as the consumer group's position (needs ``group_id``);
-        returns what was committed. Records before those offsets count as processed: call it
-        after handling them."""
+    def commit(
+        self, asynchronous: bool = False, partitions: list[int] | None = None
+    ) -> dict[int, int]:
+        """Commit ``next_offsets`` (of ``partitions`` only, if given) as the consumer group's
+        position (needs ``group_id``); returns what was committed. Records before those
+        offsets count as processed: call it after handling them."""
         if self.group_id is None:
             raise ReaderError("commit needs a consumer group: TopicReader(..., group_id=...)")
-        if not self.next_offsets:
+        todo = {p: o for p, o in self.next_offsets.items() if partitions is None or p in partitions}
+        if not todo:
             return {}
-        tps = [TopicPartition(self.topic, p, o) for p, o in sorted(self.next_offsets.items())]
+        if self.before_commit is not None:
+            self.before_commit()
+        tps = [TopicPartition(self.topic, p, o) for p, o in sorted(todo.items())]
         self.consumer.commit(offsets=tps, asynchronous=asynchronous)
-        return dict(self.next_offsets)
+        return todo
 
     def committed(self) -> dict[int, int]:
         """The consumer group's committed offsets (partitions without one left out)."""

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import sys
+import threading
 import time
-from datetime import datetime
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from bridge.cliargs import add_kafka_args, kafka_target, record_codec
@@ -22,7 +26,13 @@ timestamp), the stream it belongs to (pod, dp_rank, epoch, seq, index) and the e
   kvbridge consume --from-beginning --pod pod-a --type EventsLost
   kvbridge consume --from-timestamp 2026-12-02T16:00:00Z --to-timestamp 2026-12-02T16:05:00Z
   kvbridge consume --from-offset 0:1200,1:800 --to-offset 0:1300
-  kvbridge consume --group my-tool --follow     # resume where my-tool stopped; commit progress
+  kvbridge consume --group my-tool --follow     # share the partitions with my-tool's members
+
+--group with --follow joins the consumer group: its members split the partitions between
+them (and rebalance when one joins or leaves), each partition starts at the group's committed
+offset (where none is committed: the beginning, or the end with --from-end), progress is
+committed every 5 s, before a partition is handed over, and at exit (Ctrl-C or SIGTERM).
+Without --follow, --group reads every partition itself (no sharing) and commits at the end.
 """
 
 REPLAY_DESCRIPTION = """\
@@ -39,6 +49,13 @@ a request per pod (--query); --snapshot also saves the state with the offsets it
   kvbridge replay --from-snapshot state.json --snapshot state.json   # ... and move it on
   kvbridge replay --query 12345,67890,0x1f2e3d4c5b6a7988 --medium GPU
   kvbridge replay --from-offset 3:5000 --to-offset 3:9000 --pod pod-a --json
+  kvbridge replay --follow --every 30s --snapshot state.json   # print + save every 30 s
+
+--follow keeps reading: every --every seconds (10 by default) the output is printed again
+(the summary or --query result after a "== replay at TIME" line; --json as one line per
+document) and --snapshot is rewritten (atomically); Ctrl-C or SIGTERM prints and saves a last
+time and exits 0. --group with --follow reads every partition itself (members do not share
+partitions: each would hold only part of the state) and commits every 5 s and at exit.
 
 Offsets: N (with --partition P) or P:N,P:N per partition. Times: ISO 8601 with a timezone
 (2026-12-02T16:00:00Z), milliseconds since the epoch, or a duration ago (-10m, -1h30m).
@@ -88,15 +105,28 @@ def configure_reader_parser(p: argparse.ArgumentParser, name: str) -> None:
         "--to-timestamp", metavar="TIME", help="stop after the last record at or before TIME"
     )
     stop.add_argument(
-        "--follow", action="store_true", help="keep reading new records (Ctrl-C stops)"
+        "--follow",
+        action="store_true",
+        help="keep reading new records (Ctrl-C or SIGTERM stops)"
+        + (", printing the state every --every" if name == "replay" else ""),
     )
+    if name == "replay":
+        stop.add_argument(
+            "--every",
+            metavar="SECONDS",
+            help="with --follow: print the output again (and rewrite --snapshot) every "
+            "SECONDS, e.g. 30 or 30s or 1m (default 10)",
+        )
     p.add_argument("--partition", type=int, metavar="P", help="partition of --from/--to-offset N")
     p.add_argument("--pod", action="append", default=[], help="only these pods (repeatable)")
     p.add_argument(
         "--group",
         metavar="ID",
         help="consumer group: start at its committed offsets and commit what was read (at "
-        "the end, and every 5 s with --follow)",
+        "the end, and every 5 s with --follow)"
+        + (
+            "; with --follow, members share the partitions (see above)" if name == "consume" else ""
+        ),
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"])
@@ -270,23 +300,73 @@ class Progress:
             self.stream.flush()
 
 
+@contextlib.contextmanager
+def sigterm_stops(active: bool) -> Iterator[None]:
+    """While following, SIGTERM stops like Ctrl-C: commit, last output, exit 0."""
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def final_commit(reader: Any) -> int:
+    """Commit at exit: 0, or 1 (logged) when the broker refuses."""
+    from confluent_kafka import KafkaException
+
+    try:
+        reader.commit()
+    except KafkaException as exc:
+        log.error(
+            "could not commit the group's offsets at exit (%s); it will re-read from its "
+            "previous commit",
+            exc,
+        )
+        return 1
+    return 0
+
+
 def cmd_consume(args: argparse.Namespace) -> int:
     from bridge.jsonview import event_to_json
 
+    shared = bool(args.group and args.follow)
+    if shared and (args.from_offset or args.from_timestamp or args.to_offset or args.to_timestamp):
+        raise ConfigError(
+            "--group with --follow shares the partitions with the group's other members and "
+            "starts each at the group's committed offset: --from-offset, --from-timestamp, "
+            "--to-offset and --to-timestamp do not apply (use --from-beginning or --from-end "
+            "for partitions without a commit, or drop --follow to read every partition)"
+        )
     reader, start, stop = reader_args(args)
     pods, types = set(args.pod), set(args.type)
     n = 0
     out = sys.stdout
+    reader.before_commit = out.flush  # what a commit vouches for is printed
     last_commit = time.monotonic()
-    with reader:
+
+    def tick() -> None:
+        nonlocal last_commit
+        if args.group and args.follow and time.monotonic() - last_commit >= 5.0:
+            reader.commit(asynchronous=True)
+            last_commit = time.monotonic()
+
+    rc = 0
+    with reader, sigterm_stops(args.follow):
         try:
-            for cr in reader.read(start, follow=args.follow, stop=stop):
+            if shared:
+                records = reader.read_group(start, tick=tick)
+            else:
+                records = reader.read(start, follow=args.follow, stop=stop, tick=tick)
+            for cr in records:
                 env, ev = cr.record.envelope, cr.record.event
                 name = type(ev).__name__
-                if args.group and args.follow and time.monotonic() - last_commit >= 5.0:
-                    out.flush()
-                    reader.commit(asynchronous=True)
-                    last_commit = time.monotonic()
                 if (pods and env.pod not in pods) or (types and name not in types):
                     continue
                 line = {
@@ -314,10 +394,10 @@ def cmd_consume(args: argparse.Namespace) -> int:
                 raise
         out.flush()
         if args.group:
-            reader.commit()
+            rc = final_commit(reader)
         if reader.skipped:
             log.warning("%d records could not be read and were skipped", reader.skipped)
-    return 0
+    return rc
 
 
 def parse_query(text: str) -> list[int]:
@@ -341,11 +421,69 @@ def parse_query(text: str) -> list[int]:
     return keys
 
 
+def replay_every(args: argparse.Namespace) -> float | None:
+    """Seconds between outputs while following (None without --follow)."""
+    if args.every is None:
+        return 10.0 if args.follow else None
+    if not args.follow:
+        raise ConfigError("--every prints the state again while following: add --follow")
+    try:
+        every = parse_duration(args.every)
+    except ValueError as exc:
+        raise ConfigError(f"--every: {exc}") from None
+    if every <= 0:
+        raise ConfigError(f"--every {args.every!r}: give a positive number of seconds, e.g. 10")
+    return every
+
+
+def print_state(state: Any, args: argparse.Namespace, keys: list[int] | None) -> None:
+    """The summary, the --json document or the --query result, on stdout. While following,
+    a "== replay at TIME" line comes first and --json is one line per document."""
+    out = sys.stdout
+    if args.follow and not args.json:
+        now = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+        out.write(f"== replay at {now}\n")
+    if keys is not None:
+        matches = state.prefix_match(keys, args.medium)
+        ranked = sorted(matches.items(), key=lambda kv: (-kv[1], kv[0]))
+        out.write(f"{'pod':<20} {'rank':>4} {'prefix':>7} of {len(keys)} blocks\n")
+        for (pod, rank), n in ranked:
+            flag = "  UNCERTAIN" if state.streams[(pod, rank)].uncertain else ""
+            out.write(f"{pod:<20} {rank:>4} {n:>7}{flag}\n")
+    elif args.json:
+        if args.follow:
+            out.write(json.dumps(state.to_json(), separators=(",", ":")) + "\n")
+        else:
+            json.dump(state.to_json(), out, indent=1)
+            out.write("\n")
+    else:
+        s = state.summary()
+        out.write(
+            f"records applied: {s['records_applied']}   duplicates skipped: "
+            f"{s['duplicates_skipped']}   markers: {s['markers'] or 'none'}\n"
+        )
+        out.write(
+            f"{'pod':<20} {'rank':>4} {'epoch':>14} {'last_seq':>9} {'blocks':>8}  "
+            "by medium / notes\n"
+        )
+        for e in s["streams"]:
+            notes = ", ".join(f"{k}={v}" for k, v in e["blocks_by_medium"].items())
+            if e["uncertain"]:
+                notes += f"  UNCERTAIN ({e['lost_batches']} batches lost)"
+            last = "-" if e["last_seq"] is None else e["last_seq"]
+            row = (
+                f"{e['pod']:<20} {e['dp_rank']:>4} {e['epoch']!s:>14} {last!s:>9} {e['blocks']:>8}"
+            )
+            out.write(f"{row}  {notes}\n")
+    out.flush()
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from bridge.consumer import StartAt
     from bridge.state import CacheState, SnapshotError
 
     keys = parse_query(args.query) if args.query is not None else None
+    every = replay_every(args)
     state = CacheState()
     snap_offsets: dict[int, int] = {}
     if args.from_snapshot:
@@ -362,35 +500,56 @@ def cmd_replay(args: argparse.Namespace) -> int:
     reader, start, stop = reader_args(args)
     pods = set(args.pod)
     progress = Progress(reader, args.progress)
-    last_commit = time.monotonic()
-    with reader:
+    now = time.monotonic()
+    last_commit = last_output = now
+
+    def save_snapshot() -> dict[int, int]:
+        offsets = {p: o for p, o in snap_offsets.items() if o >= 0}
+        offsets.update(reader.next_offsets)
+        state.save(args.snapshot, reader.topic, offsets)
+        return offsets
+
+    def tick() -> None:
+        nonlocal last_commit, last_output
+        now = time.monotonic()
+        if args.group and args.follow and now - last_commit >= 5.0:
+            reader.commit(asynchronous=True)
+            last_commit = now
+        if every is not None and now - last_output >= every:
+            last_output = now
+            if args.snapshot:
+                save_snapshot()
+            if progress.drawn:
+                progress.stream.write("\r\x1b[K")  # the bar's line, redrawn later
+            print_state(state, args, keys)
+
+    rc = 0
+    with reader, sigterm_stops(args.follow):
         if args.from_snapshot:
             offsets = dict(snap_offsets)
             for p in reader.partitions():
                 offsets.setdefault(p, -2)  # a partition added since: from its beginning
             start = StartAt.at_offsets(offsets)
+        idle = 1.0 if every is None else min(1.0, every / 2)
         try:
-            for cr in reader.read(start, follow=args.follow, stop=stop):
+            for cr in reader.read(
+                start, follow=args.follow, stop=stop, idle_timeout=idle, tick=tick
+            ):
                 progress.tick()
                 if pods and cr.record.envelope.pod not in pods:
                     continue
                 state.apply(cr.record)
-                if args.group and args.follow and time.monotonic() - last_commit >= 5.0:
-                    reader.commit(asynchronous=True)
-                    last_commit = time.monotonic()
         except KeyboardInterrupt:
             if not args.follow:
                 raise
         finally:
             progress.done()
         if args.group:
-            reader.commit()
+            rc = final_commit(reader)
         if reader.skipped:
             log.warning("%d records could not be read and were skipped", reader.skipped)
         if args.snapshot:
-            offsets = {p: o for p, o in snap_offsets.items() if o >= 0}
-            offsets.update(reader.next_offsets)
-            state.save(args.snapshot, reader.topic, offsets)
+            offsets = save_snapshot()
             log.info(
                 "snapshot %s: %d streams, %d blocks, offsets %s",
                 args.snapshot,
@@ -398,29 +557,5 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 state.resident_blocks(),
                 ",".join(f"{p}:{o}" for p, o in sorted(offsets.items())),
             )
-    if keys is not None:
-        matches = state.prefix_match(keys, args.medium)
-        ranked = sorted(matches.items(), key=lambda kv: (-kv[1], kv[0]))
-        print(f"{'pod':<20} {'rank':>4} {'prefix':>7} of {len(keys)} blocks")
-        for (pod, rank), n in ranked:
-            flag = "  UNCERTAIN" if state.streams[(pod, rank)].uncertain else ""
-            print(f"{pod:<20} {rank:>4} {n:>7}{flag}")
-        return 0
-    if args.json:
-        json.dump(state.to_json(), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-        return 0
-    s = state.summary()
-    print(
-        f"records applied: {s['records_applied']}   duplicates skipped: "
-        f"{s['duplicates_skipped']}   markers: {s['markers'] or 'none'}"
-    )
-    print(f"{'pod':<20} {'rank':>4} {'epoch':>14} {'last_seq':>9} {'blocks':>8}  by medium / notes")
-    for e in s["streams"]:
-        notes = ", ".join(f"{k}={v}" for k, v in e["blocks_by_medium"].items())
-        if e["uncertain"]:
-            notes += f"  UNCERTAIN ({e['lost_batches']} batches lost)"
-        last = "-" if e["last_seq"] is None else e["last_seq"]
-        row = f"{e['pod']:<20} {e['dp_rank']:>4} {e['epoch']!s:>14} {last!s:>9} {e['blocks']:>8}"
-        print(f"{row}  {notes}")
-    return 0
+    print_state(state, args, keys)
+    return rc

@@ -9,6 +9,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 import zmq
 from confluent_kafka import KafkaException
@@ -21,7 +22,7 @@ from bridge.config import (
     shared_kafka_properties,
     topic_base,
 )
-from bridge.listener import SharedListener
+from bridge.listener import ListenDiscovery, SharedListener
 from bridge.markers import KAFKA_REFUSED, EventsLost, PodRemoved
 from bridge.metrics import BridgeMetrics
 from bridge.pipeline import Pipeline, StreamInfo
@@ -123,7 +124,9 @@ class Bridge:
         self.pipeline.marker(stream.info, env.epoch, env.seq, EventsLost(env.seq, env.seq, reason))
 
     def _stream_count(self) -> int:
-        return sum(p.dp_size for p in self.config.pods)
+        c = self.config
+        discovered = c.listen_max_pods * c.listen_ranks if c.listen and c.listen_discover else 0
+        return sum(p.dp_size for p in c.pods) + discovered
 
     def _sequencer_config(self, replay: bool) -> SequencerConfig:
         c = self.config
@@ -206,7 +209,7 @@ class Bridge:
         self._epoch = int(time.time() * 1000)
         if c.listen:
             ranks = max((p.dp_size for p in c.pods if p.pub is None), default=1)
-            for rank in range(ranks):
+            for rank in range(max(ranks, c.listen_ranks)):
                 self.listeners.append(
                     SharedListener(
                         self.ctx,
@@ -216,6 +219,7 @@ class Bridge:
                         c.max_message_bytes,
                         self.metrics,
                         self.pipeline.bad_input,
+                        rank,
                     )
                 )
                 log.info(
@@ -223,12 +227,14 @@ class Bridge:
                     self.listeners[-1].endpoint,
                     rank,
                 )
+            if c.listen_discover:  # pods named by kv@<pod>@<model> topics are followed
+                ListenDiscovery(self, c.listen_max_pods, c.listen_replay).attach(self.listeners)
         for pod in mine:
             self._follow(pod)
 
-    def _follow(self, pod: PodConfig, fresh_epoch: bool = False) -> None:
+    def _follow(self, pod: PodConfig, fresh_epoch: bool = False, first_rank: int = 0) -> None:
         self.pods[pod.name] = pod
-        for rank in range(pod.dp_size):
+        for rank in range(first_rank, pod.dp_size):
             self.streams.append(self._open_stream(pod, rank, fresh_epoch))
             pub, replay = pod.pub_endpoint(rank), pod.replay_endpoint(rank)
             log.info(
@@ -247,8 +253,11 @@ class Bridge:
         new StreamStarted). Returns False if another shard owns it."""
         if not self.owns(pod.name):
             return False
-        if pod.pub is None:
-            raise ValueError(f"pod {pod.name}: discovered pods need a pub endpoint")
+        if pod.pub is None and not (pod.topic and pod.dp_size <= len(self.listeners)):
+            raise ValueError(
+                f"pod {pod.name}: discovered pods need a pub endpoint, or a topic and a listen "
+                f"socket for each of its {pod.dp_size} rank(s)"
+            )
         self._ensure_topic(self.config.topic_for(pod))  # blocking: done in the caller's thread
         self._requests.append(("add", pod, ""))
         return True
@@ -265,6 +274,9 @@ class Bridge:
                     assert isinstance(what, PodConfig)
                     old = self.pods.get(what.name)
                     if old == what:
+                        continue
+                    if old is not None and _grows(old, what):  # more ranks: keep the others
+                        self._follow(what, fresh_epoch=True, first_rank=old.dp_size)
                         continue
                     if old is not None:
                         why = (
@@ -620,6 +632,12 @@ def _raise_fd_limit(wanted: int) -> None:
                 hard,
                 wanted,
             )
+
+
+def _grows(old: PodConfig, new: PodConfig) -> bool:
+    """Whether ``new`` is ``old`` with more data-parallel ranks (a listen pod seen on a higher
+    rank): the ranks followed already are kept, the new ones are added."""
+    return new.dp_size > old.dp_size and replace(new, dp_size=old.dp_size) == old
 
 
 def _admin_props(kafka: dict[str, str]) -> dict[str, str]:

@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from bridge.state import CacheState
+from bridge.statesync import PartitionWatch
 from bridge.statetopic import DEFAULT_STATE_TOPIC, EventTail, load_state
 
 log = logging.getLogger(__name__)
@@ -177,9 +178,12 @@ class LiveState:
         events_topic: str = "kv-events",
         state_topic: str | None = None,
         overrides: dict[str, Any] | None = None,
+        partition_check_interval: float = 30.0,
     ) -> None:
         self.bootstrap = bootstrap
         self.events_topic = events_topic
+        # kv-events partitions added while serving are read from their beginning this often
+        self.partition_check_interval = partition_check_interval
         self.state_topic = state_topic
         self.overrides = dict(overrides or {})
         self.lock = threading.Lock()
@@ -222,8 +226,19 @@ class LiveState:
                     offsets,
                 )
             tail = EventTail(self.bootstrap, self.events_topic, offsets, self.overrides)
+            interval = self.partition_check_interval
+            watch = PartitionWatch(interval, set(tail.partitions), time.monotonic() + interval)
             try:
                 while not self.stop_event.is_set():
+                    if watch.due(time.monotonic()):
+                        ids = tail.partition_ids()
+                        new = tail.add_partitions(watch.checked(time.monotonic(), ids))
+                        if new:
+                            log.info(
+                                "%s has new partitions %s: reading them from their beginning",
+                                self.events_topic,
+                                new,
+                            )
                     got = tail.poll(0.2)
                     if got:
                         with self.lock:

@@ -174,6 +174,14 @@ class StateSync:
                 if n:
                     mine[name] += n
 
+    def add_partitions(self, partitions: Iterable[int]) -> list[int]:
+        """Start tracking kv-events partitions added while running, at offset 0: nothing of
+        them is applied yet. Returns those that were new (the others keep their offsets)."""
+        new = sorted({p for p in partitions if p not in self.offsets})
+        for p in new:
+            self.offsets[p] = 0
+        return new
+
     def offsets_record(self) -> Change:
         """The offsets record: every partition's next offset and counters. Written last in
         each transaction, after the changes of the records consumed up to those offsets."""
@@ -210,6 +218,35 @@ class Pending:
     def clear(self) -> None:
         self.changes.clear()
         self.partitions.clear()
+
+
+@dataclass
+class PartitionWatch:
+    """When to look at kv-events' partitions again, and which of them are new.
+
+    Kafka only ever adds partitions. A check that cannot get metadata (``None``), or that
+    sees fewer partitions than known (metadata of a broker that has not heard of the new
+    ones yet), changes nothing: the next check, one ``interval`` later, tries again."""
+
+    interval: float  # seconds between checks
+    known: set[int]  # partitions being read
+    next_check: float = 0.0  # monotonic time of the next check
+    failures: int = 0  # checks in a row without metadata
+
+    def due(self, now: float) -> bool:
+        return now >= self.next_check
+
+    def checked(self, now: float, partitions: Iterable[int] | None) -> list[int]:
+        """Record a check made at ``now`` that saw ``partitions`` (None: metadata was not
+        available); returns the partitions not known before, sorted, and now known."""
+        self.next_check = now + self.interval
+        if partitions is None:
+            self.failures += 1
+            return []
+        self.failures = 0
+        new = sorted(set(partitions) - self.known)
+        self.known.update(new)
+        return new
 
 
 class StateTopicError(ValueError):

@@ -34,7 +34,7 @@ from bridge.consumer import records_of
 from bridge.records import Record, RecordCodec, RecordError
 from bridge.sink import ensure_topic
 from bridge.state import CacheState
-from bridge.statesync import OFFSETS_KEY, Change, Pending, StateSync, load
+from bridge.statesync import OFFSETS_KEY, Change, PartitionWatch, Pending, StateSync, load
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +266,34 @@ class EventTail:
             out.append(TailedRecord(p, off, msg.timestamp()[1], rec))
         return out
 
+    def partition_ids(self, timeout: float = 5.0) -> set[int] | None:
+        """The topic's partitions per fresh metadata from the broker; None if that is not
+        available right now (broker unreachable, topic briefly unknown)."""
+        try:
+            md = self.consumer.list_topics(self.topic, timeout=timeout).topics.get(self.topic)
+        except KafkaException as exc:
+            log.debug("metadata of %s unavailable: %s", self.topic, exc)
+            return None
+        if md is None or md.error is not None or not md.partitions:
+            log.debug("metadata of %s unavailable: %s", self.topic, md and md.error)
+            return None
+        return set(md.partitions)
+
+    def add_partitions(self, partitions: list[int]) -> list[int]:
+        """Also read these partitions (added to the topic after the start), from their
+        beginning; their end seen at the start counts as 0. Returns those not read before."""
+        new = sorted({p for p in partitions if p not in self.next})
+        if not new:
+            return []
+        self.consumer.incremental_assign(
+            [TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in new]
+        )
+        for p in new:
+            self.ends[p] = 0
+            self.next[p] = 0
+        self.partitions = sorted(self.next)
+        return new
+
     def positions(self) -> dict[int, int]:
         """Per partition, the offset of the next record to read (past transaction markers,
         which take offsets but are never returned). Call from the consuming thread."""
@@ -299,6 +327,7 @@ class StateSyncer:
         overrides: dict[str, Any] | None = None,
         commit_interval: float = 0.2,
         commit_max: int = 50_000,
+        partition_check_interval: float = 30.0,
     ) -> None:
         self.bootstrap = bootstrap
         self.events_topic = events_topic
@@ -307,6 +336,10 @@ class StateSyncer:
         self.overrides = dict(overrides or {})
         self.commit_interval = commit_interval
         self.commit_max = commit_max
+        # How often kv-events' partition count is checked (partitions added while running).
+        self.partition_check_interval = partition_check_interval
+        self.metadata_timeout = 5.0  # seconds a check waits for metadata
+        self.watch = PartitionWatch(partition_check_interval, set())
         self.producer: Producer | None = None
         self.tail: EventTail | None = None
         self.sync = StateSync(events_topic)
@@ -341,6 +374,11 @@ class StateSyncer:
         self.sync = load_state(self.bootstrap, self.state_topic, self.events_topic, self.overrides)
         self.resumed_from = dict(self.sync.offsets)
         self.tail = EventTail(self.bootstrap, self.events_topic, self.sync.offsets, self.overrides)
+        self.watch = PartitionWatch(
+            self.partition_check_interval,
+            set(self.tail.partitions),
+            time.monotonic() + self.partition_check_interval,
+        )
         log.info(
             "state-sync: %s -> %s, %d streams loaded, resuming at %s",
             self.events_topic,
@@ -362,6 +400,32 @@ class StateSyncer:
                 self.pending.add(tr.partition, changes)
         self.consumed += len(got)
         return len(got)
+
+    def check_partitions(self, now: float | None = None) -> list[int]:
+        """Pick up kv-events partitions added since open(): read them from their beginning
+        and name them (at offset 0 until their records are applied) in the offsets record
+        of the next transaction. Returns the new partitions. Without metadata it changes
+        nothing; the next check retries."""
+        assert self.tail is not None, "open() first"
+        ids = self.tail.partition_ids(self.metadata_timeout)
+        new = self.watch.checked(time.monotonic() if now is None else now, ids)
+        if ids is None and self.watch.failures == 1:
+            log.warning(
+                "state-sync: could not get the partitions of %s; retrying in %.0fs",
+                self.events_topic,
+                self.watch.interval,
+            )
+        new = self.tail.add_partitions(new)
+        if not new:
+            return []
+        for p in self.sync.add_partitions(new):
+            self.pending.add(p, ())
+        log.info(
+            "state-sync: %s has new partitions %s; reading them from their beginning",
+            self.events_topic,
+            new,
+        )
+        return new
 
     def commit(self) -> bool:
         """Write the pending changes and offsets in one transaction; False if it was aborted
@@ -412,6 +476,8 @@ class StateSyncer:
         while not stop.is_set():
             self.step(0.1)
             now = time.monotonic()
+            if self.watch.due(now):
+                self.check_partitions(now)
             if now >= next_commit or len(self.pending) >= self.commit_max:
                 self.commit()
                 next_commit = now + self.commit_interval
@@ -470,6 +536,14 @@ def configure_parser(sub: Any) -> None:
         help="how often a transaction is committed (200ms)",
     )
     p.add_argument(
+        "--partition-check-interval",
+        type=parse_duration,
+        default=30.0,
+        metavar="DURATION",
+        help="how often to check kv-events for added partitions, which are then read from "
+        "their beginning (30s)",
+    )
+    p.add_argument(
         "--until-caught-up",
         action="store_true",
         help="exit once the end of kv-events seen at start is in the state topic",
@@ -485,6 +559,8 @@ def run(args: argparse.Namespace) -> int:
     bootstrap, topic, overrides = kafka_target(args)
     if args.commit_interval <= 0:
         raise ConfigError("--commit-interval must be > 0")
+    if args.partition_check_interval <= 0:
+        raise ConfigError("--partition-check-interval must be > 0")
     if args.state_topic == topic:
         raise ConfigError("--state-topic must differ from --topic")
     syncer = StateSyncer(
@@ -494,6 +570,7 @@ def run(args: argparse.Namespace) -> int:
         args.transactional_id,
         overrides,
         commit_interval=args.commit_interval,
+        partition_check_interval=args.partition_check_interval,
     )
     stop = threading.Event()
 

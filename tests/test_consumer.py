@@ -154,3 +154,17 @@ def test_consume_cli_offsets_and_times(kafka_bootstrap, topic):
     assert got.returncode == 2 and "expected ISO 8601" in got.stderr
     got = run_cli([*base, "--from-offset", "3"])
     assert got.returncode == 2 and "needs --partition" in got.stderr
+
+
+def test_follow_ticks_while_idle_and_stops_on_request(kafka_bootstrap, topic):
+    ticks: list[int] = []
+    with TopicReader(kafka_bootstrap, topic) as r:
+
+        def tick() -> None:
+            ticks.append(r.records_read)
+            if ticks.count(18) == 2:  # a second poll after reading everything: idle
+                threading.Thread(target=r.stop).start()
+
+        got = coords(r.read(follow=True, idle_timeout=0.1, tick=tick))
+    assert len(got) == 18  # the generator ended by itself after stop()
+    assert ticks[0] == 0 and ticks[-2:] == [18, 18]  # before the first poll, and while idle

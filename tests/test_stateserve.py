@@ -30,6 +30,7 @@ from bridge.stateserve import (
     parse_hash,
     parse_prefix_body,
     parse_prefix_query,
+    pods_view,
     prefix_view,
 )
 
@@ -305,3 +306,33 @@ def test_cli_serves_after_bootstrapping_from_the_state_topic(kafka_bootstrap, ma
     finally:
         code = proc.stop()
     assert code == 0, proc.output()
+
+
+@pytest.mark.kafka
+def test_partitions_added_while_serving_are_read_from_their_beginning(
+    kafka_bootstrap, kafka_admin, make_topic
+):
+    from test_statesync_partitions import add_partitions, pod_in, produce
+
+    topic = make_topic(partitions=1)
+    first = pod_in(0, 1)
+    produce(kafka_bootstrap, topic, first, range(6))
+    live = LiveState(kafka_bootstrap, topic, partition_check_interval=0.2)
+    live.start()
+    try:
+        wait_for(live.ready.is_set, 30, "the state to catch up")
+        add_partitions(kafka_admin, topic, 2)
+        late = pod_in(1, 2)
+        assert produce(kafka_bootstrap, topic, late, range(4)) == {1}  # the new partition
+
+        def both() -> bool:
+            with live.lock:
+                return {k[0] for k in live.state.streams} == {first, late}
+
+        wait_for(both, 30, "the pod of the added partition in the served state")
+        with live.lock:
+            served = strip(pods_view(live.state, live.last_ts_ms, 0)["pods"])
+        assert served == strip(expected_pods(kafka_bootstrap, topic))
+    finally:
+        live.stop()
+    assert live.error is None
