@@ -3,6 +3,9 @@
 Key: JSON ``[pod, dp_rank]``; value: JSON ``{"epoch", "seq", "digest", "ts"}``: the last batch of
 that stream Kafka holds (acknowledged, or committed in exactly-once mode), with a fingerprint of
 its payload so a restarted bridge can tell whether the publisher is still the same incarnation.
+Optional fields: ``uid`` (the pod's incarnation), ``topic`` and ``partitions`` (the kv-events
+topic of the stream and the partition count its records were produced with: the pinned count,
+see :mod:`bridge.partitioning`). Checkpoints without them, written by older bridges, still load.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
@@ -27,12 +30,19 @@ class Checkpoint:
     seq: int
     digest: bytes | None  # payload_digest() of batch `seq`; None when `seq` was a loss marker
     uid: str | None = None  # the pod's incarnation (Kubernetes UID), when known
+    topic: str | None = None  # the kv-events topic the stream is produced to
+    partitions: int | None = None  # the partition count it was produced with (pinned)
+    ts: float | None = field(default=None, compare=False)  # when written (decoded ones only)
 
     def encode(self) -> bytes:
-        d = {"epoch": self.epoch, "seq": self.seq, "ts": time.time()}
+        d: dict[str, Any] = {"epoch": self.epoch, "seq": self.seq, "ts": time.time()}
         d["digest"] = None if self.digest is None else self.digest.hex()
         if self.uid is not None:
             d["uid"] = self.uid
+        if self.topic is not None:
+            d["topic"] = self.topic
+        if self.partitions is not None:
+            d["partitions"] = self.partitions
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -40,11 +50,19 @@ class Checkpoint:
         d = json.loads(value)
         digest = d.get("digest")
         uid = d.get("uid")
+        topic = d.get("topic")
+        partitions = d.get("partitions")
+        ts = d.get("ts")
+        if partitions is not None and (type(partitions) is not int or partitions < 1):
+            raise ValueError(f"partitions {partitions!r} is not a count >= 1")
         return cls(
             int(d["epoch"]),
             int(d["seq"]),
             None if digest is None else bytes.fromhex(digest),
             None if uid is None else str(uid),
+            None if topic is None else str(topic),
+            partitions,
+            None if ts is None else float(ts),
         )
 
 

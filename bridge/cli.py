@@ -190,6 +190,15 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
         "sees every event exactly once across bridge crashes",
     )
     g.add_argument(
+        "--repartition",
+        action="store_true",
+        default=None,
+        help="spread the pods over the kv-events topic's current partitions: without it, "
+        "each pod stays in the partition it had when partitions are added (the count is "
+        "pinned in the checkpoints); with it, a pod whose partition changes starts a new "
+        "epoch there (env KVBRIDGE_REPARTITION; see docs/operations.md)",
+    )
+    g.add_argument(
         "--transactional-id",
         metavar="ID",
         help="transactional id (default kvbridge-<topic>); a second bridge with the "
@@ -370,6 +379,7 @@ def resolve_run_config(
     cfg.checkpoint_topic = pick("checkpoint_topic")
     cfg.checkpoint_interval = pick("checkpoint_interval", parse_duration)
     cfg.exactly_once = pick("exactly_once", boolean)
+    cfg.repartition = pick("repartition", boolean)
     cfg.transactional_id = pick("transactional_id")
     cfg.commit_interval = pick("commit_interval", parse_duration)
     cfg.commit_max_events = pick("commit_max_events", int)

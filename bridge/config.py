@@ -196,6 +196,8 @@ class BridgeConfig:
     checkpoint_topic: str | None = None  # default "<topic>.checkpoints"
     checkpoint_interval: float = 1.0
     exactly_once: bool = False
+    # adopt the topics' current partition counts at start (bridge/partitioning.py)
+    repartition: bool = False
     transactional_id: str | None = None  # default "kvbridge-<topic>"
     commit_interval: float = 0.1
     commit_max_events: int = 10_000

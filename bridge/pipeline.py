@@ -32,6 +32,7 @@ class StreamInfo:
     endpoint: str
     topic: str | None = None  # None: the sink's default topic
     uid: str | None = None  # the pod's incarnation (Kubernetes UID), when discovery knows it
+    partition: int = -1  # the pod's pinned partition (-1: librdkafka's partitioner decides)
     key: bytes = b""
     counters: dict[str, Any] = field(default_factory=dict)
     stats: StreamStats | None = None  # plain-number counts (Pipeline.stats)
@@ -152,11 +153,18 @@ class Pipeline:
             n = len(values)
             if self.track_acks:
                 cb = self._batch_callback(stream, position, batch.ts, by_type, n)
-                self.sink.produce_batch(stream.key, values, cb, stream.topic)
+                self.sink.produce_batch(
+                    stream.key, values, cb, stream.topic, partition=stream.partition
+                )
             else:
                 self._uncommitted.append((st, by_type, n, batch.ts))
                 self.sink.produce_batch(
-                    stream.key, values, self._on_failed_only, stream.topic, every=False
+                    stream.key,
+                    values,
+                    self._on_failed_only,
+                    stream.topic,
+                    every=False,
+                    partition=stream.partition,
                 )
             self.produced += n
         stream.delivered = position
@@ -251,8 +259,13 @@ class Pipeline:
         if not self.track_acks:
             self._uncommitted.append((st, {}, 1, None))
             self.sink.produce_batch(
-                stream.key, [value], self._on_failed_only, stream.topic, every=False
+                stream.key,
+                [value],
+                self._on_failed_only,
+                stream.topic,
+                every=False,
+                partition=stream.partition,
             )
             return
         cb = self._batch_callback(stream, position, None, {}, 1)
-        self.sink.produce_batch(stream.key, [value], cb, stream.topic)
+        self.sink.produce_batch(stream.key, [value], cb, stream.topic, partition=stream.partition)

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import zmq
 from confluent_kafka import KafkaException
+from prometheus_client import Gauge
 
 from bridge.checkpoints import Checkpoint, checkpoint_key, load_checkpoints
 from bridge.config import (
@@ -25,6 +26,7 @@ from bridge.config import (
 from bridge.listener import ListenDiscovery, SharedListener
 from bridge.markers import KAFKA_REFUSED, EventsLost, PodRemoved
 from bridge.metrics import BridgeMetrics
+from bridge.partitioning import TopicPin, decide_pin, partition_for, recorded_count
 from bridge.pipeline import Pipeline, StreamInfo
 from bridge.records import RecordCodec, schema_dir
 from bridge.replaylimit import ReplayLimiter
@@ -86,6 +88,20 @@ class Bridge:
         self.pods: dict[str, PodConfig] = {}  # the pods followed (this shard's), by name
         self._requests: deque[tuple[str, PodConfig | str, str]] = deque()  # from other threads
         self._topics_ready: set[str] = set()
+        # Per kv-events topic, the partition count its pods are produced with (pinned).
+        self.pins: dict[str, TopicPin] = {}
+        self._loaded: dict[tuple[str, int], Checkpoint] | None = None  # checkpoints at start
+        self._partitions_warned: dict[str, int] = {}  # topic -> current count warned about
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.topic_partitions = Gauge(
+            "kvbridge_topic_partitions",
+            "Partitions of each kv-events topic: kind=current (the topic's count) and "
+            "kind=pinned (the count pods are spread over; differs after partitions were added, "
+            "until a restart with --repartition)",
+            ["topic", "kind"],
+            registry=self.metrics.registry,
+        )
         self._last_epoch: dict[str, int] = {}
         self.listeners: list[SharedListener] = []
         self.limiter = ReplayLimiter(config.max_replays)
@@ -166,6 +182,79 @@ class Bridge:
                         "writes one id to every topic: use a registry that ids schemas globally"
                     )
             self._topics_ready.add(topic)
+        if topic not in self.pins and self._loaded is not None:
+            self._pin_topic(topic)
+
+    # -- partition pinning (bridge/partitioning.py) -------------------------------------------
+    PARTITION_CHECK_INTERVAL = 60.0  # seconds between checks of the topics' partition counts
+    PARTITION_CHECK_TIMEOUT = 2.0  # a metadata request slower than this: checked next time
+
+    def _pin_topic(self, topic: str) -> TopicPin:
+        """Decide ``topic``'s pinned partition count (recorded in the checkpoints, else the
+        topic's current count; the current one with --repartition), log and export it."""
+        current = self.sink.partition_count(topic, timeout=10.0)
+        if current is None:
+            raise RuntimeError(
+                f"cannot read the partition count of topic {topic!r} from Kafka; check that "
+                "the broker is reachable and the topic exists"
+            )
+        recorded = recorded_count((self._loaded or {}).values(), topic)
+        pin = decide_pin(topic, recorded, current, self.config.repartition)
+        self.pins[topic] = pin
+        self.topic_partitions.labels(topic, "pinned").set(pin.pinned)
+        self.topic_partitions.labels(topic, "current").set(pin.current)
+        if pin.adopted:
+            log.warning(
+                "topic %s: %s; pods whose partition changes start a new epoch (StreamStarted) "
+                "in their new partition",
+                topic,
+                pin.adoption(),
+            )
+            self._record_pin(pin)
+        else:
+            log.info(
+                "topic %s: pods spread over %d partitions (%s)",
+                topic,
+                pin.pinned,
+                "recorded in the checkpoints" if recorded is not None else "the topic's count",
+            )
+        self._warn_partitions(topic, current)
+        return pin
+
+    def _record_pin(self, pin: TopicPin) -> None:
+        """After adopting a new count: rewrite the checkpoints of the topic's streams that keep
+        their partition with the new count, so the next start pins it even if those streams
+        stay idle. Those that move keep theirs until their new epoch writes one (a crash before
+        that moves them again, into another fresh epoch)."""
+        own_none = "{" not in self.config.topic  # a checkpoint without a topic is of this one
+        for (pod, rank), cp in list(self.committed.items()):
+            if not (cp.topic == pin.topic or (cp.topic is None and own_none)):
+                continue
+            if cp.partitions == pin.pinned or pin.moves(pod.encode(), cp.partitions):
+                continue
+            cp = replace(cp, topic=pin.topic, partitions=pin.pinned)
+            self.committed[(pod, rank)] = cp
+            self.sink.produce(checkpoint_key(pod, rank), cp.encode(), topic=self.checkpoint_topic)
+
+    def _warn_partitions(self, topic: str, current: int) -> None:
+        """One warning per topic and new partition count that differs from the pinned one."""
+        pin = self.pins[topic]
+        self.topic_partitions.labels(topic, "current").set(current)
+        if current == pin.pinned or self._partitions_warned.get(topic) == current:
+            return
+        self._partitions_warned[topic] = current
+        log.warning("%s", replace(pin, current=current).warning())
+
+    def _watch_partitions(self) -> None:
+        """Thread: every PARTITION_CHECK_INTERVAL, compare each topic's partition count with
+        the pinned one (a metadata request per topic; warns, never moves a pod)."""
+        while not self._watch_stop.wait(self.PARTITION_CHECK_INTERVAL):
+            for topic in list(self.pins):
+                if self._watch_stop.is_set():
+                    return
+                current = self.sink.partition_count(topic, self.PARTITION_CHECK_TIMEOUT)
+                if current is not None:
+                    self._warn_partitions(topic, current)
 
     def open(self) -> None:
         c = self.config
@@ -200,6 +289,9 @@ class Bridge:
         self.committed = load_checkpoints(
             c.bootstrap_servers, self.checkpoint_topic, overrides=admin
         )
+        self._loaded = dict(self.committed)
+        for topic in sorted(self._topics_ready):
+            self._pin_topic(topic)
         if self.committed:
             log.info(
                 "resuming %d streams from checkpoints in %s",
@@ -330,7 +422,9 @@ class Bridge:
         replay = pod.replay_endpoint(rank)
         where = pub or f"{self.listeners[rank].endpoint} topic {pod.topic}"
         topic = c.topic_for(pod)
+        pin = self.pins.get(topic) or self._pin_topic(topic)
         info = StreamInfo(pod.name, pod.model, rank, where, topic=topic, uid=pod.uid)
+        info.partition = partition_for(info.key, pin.pinned)
         cp = self.committed.get((pod.name, rank))
         if cp is not None and cp.uid != pod.uid:
             log.info(
@@ -341,6 +435,22 @@ class Bridge:
                 pod.uid,
             )
             cp = None
+        if cp is not None and cp.topic in (None, topic) and pin.moves(info.key, cp.partitions):
+            before = partition_for(info.key, pin.previous(cp.partitions))
+            log.warning(
+                "pod %s rank %d: moves from partition %d to %d of %s (%d partitions now "
+                "pinned): a new epoch starts there with StreamStarted, after epoch %d",
+                pod.name,
+                rank,
+                before,
+                info.partition,
+                topic,
+                pin.pinned,
+                cp.epoch,
+            )
+            self._last_epoch[pod.name] = max(self._last_epoch.get(pod.name, 0), cp.epoch)
+            cp = None
+            fresh_epoch = True
         epoch = self._epoch
         if fresh_epoch:
             # A pod seen again: a new epoch, after any this bridge gave the pod before.
@@ -383,7 +493,10 @@ class Bridge:
                 continue
             epoch, seq, payload = pos
             digest = None if payload is None else payload_digest(payload)
-            cp = Checkpoint(epoch, seq, digest, info.uid)
+            pin = self.pins.get(info.topic or "")
+            cp = Checkpoint(
+                epoch, seq, digest, info.uid, info.topic, None if pin is None else pin.pinned
+            )
             self.sink.produce(
                 checkpoint_key(info.pod, info.dp_rank), cp.encode(), topic=self.checkpoint_topic
             )
@@ -446,6 +559,10 @@ class Bridge:
         gc.collect()
         gc.freeze()
         gc.set_threshold(max(gc_threshold[0], GC_GEN0_THRESHOLD), *gc_threshold[1:])
+        self._watcher = threading.Thread(
+            target=self._watch_partitions, name="partition-watch", daemon=True
+        )
+        self._watcher.start()
         try:
             while not self.stop.is_set():
                 now = time.monotonic()
@@ -518,6 +635,9 @@ class Bridge:
         """Stop reading, then make what was read durable: flush and checkpoint (at-least-once)
         or checkpoint and commit (exactly-once), within the shutdown timeout."""
         deadline = time.monotonic() + self.config.shutdown_timeout
+        self._watch_stop.set()
+        if self._watcher is not None:
+            self._watcher.join(self.PARTITION_CHECK_TIMEOUT + 5)  # before the producer closes
         for s in self.streams:
             s.sync_metrics()
             s.close()
