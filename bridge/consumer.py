@@ -344,15 +344,9 @@ class TopicReader:
                 if p not in remaining or (end is not None and off >= end):
                     remaining.discard(p)
                     continue
-                self.next_offsets[p] = off + 1
-                self.records_read += 1
-                try:
-                    rec = self.codec.decode(msg.value())
-                except RecordError as exc:
-                    self.skipped += 1
-                    log.warning("partition %d offset %d: skipped: %s", p, off, exc)
-                else:
-                    yield ConsumedRecord(p, off, msg.timestamp()[1], rec)
+                cr = self._take(msg, p, off)
+                if cr is not None:
+                    yield cr
                 if end is not None and off + 1 >= end:
                     remaining.discard(p)
             bounded = {p for p in remaining if ends[p] is not None}
@@ -425,15 +419,22 @@ class TopicReader:
                         "partition %d offset %d: not read (owned: %s)", p, off, nxt is not None
                     )
                     continue
-                self.next_offsets[p] = off + 1
-                self.records_read += 1
-                try:
-                    rec = self.codec.decode(msg.value())
-                except RecordError as exc:
-                    self.skipped += 1
-                    log.warning("partition %d offset %d: skipped: %s", p, off, exc)
-                else:
-                    yield ConsumedRecord(p, off, msg.timestamp()[1], rec)
+                cr = self._take(msg, p, off)
+                if cr is not None:
+                    yield cr
+
+    def _take(self, msg: Any, p: int, off: int) -> ConsumedRecord | None:
+        """Count the record at ``p``/``off`` as read and decode it; None (counted in
+        ``skipped``, logged) if it cannot be decoded."""
+        self.next_offsets[p] = off + 1
+        self.records_read += 1
+        try:
+            rec = self.codec.decode(msg.value())
+        except RecordError as exc:
+            self.skipped += 1
+            log.warning("partition %d offset %d: skipped: %s", p, off, exc)
+            return None
+        return ConsumedRecord(p, off, msg.timestamp()[1], rec)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Start each newly assigned partition at its committed offset (else the fallback)."""
