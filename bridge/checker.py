@@ -40,6 +40,7 @@ from bridge.jsonview import event_to_json
 from bridge.markers import (
     KAFKA_REFUSED,
     MARKER_TYPES,
+    TAIL_END,
     EventsLost,
     Marker,
     PodRemoved,
@@ -99,6 +100,7 @@ class StreamReport:
     events: int = 0
     batches: int = 0
     lost_batches: int = 0
+    unknown_tails: int = 0  # epochs closed by an open-ended EventsLost (a restart followed)
     lost_ranges: list[tuple[int, int, int, str]] = field(default_factory=list)  # epoch, from, to
     holes: list[tuple[int, int, int]] = field(default_factory=list)  # epoch, from, to
     duplicates: int = 0
@@ -241,7 +243,10 @@ class CheckReport:
                 eg = "; ".join(s.duplicate_samples)
                 out.append(f"{s.name}: {_plural(s.duplicates, 'duplicate record')}{allowed}: {eg}")
             for epoch, lo, hi, reason in s.lost_ranges:
-                lost.append(f"{s.name} epoch {epoch}: lost {_seqs(lo, hi)}: {reason}")
+                if hi == TAIL_END:
+                    lost.append(f"{s.name} epoch {epoch}: ends after seq {lo - 1} ({reason})")
+                else:
+                    lost.append(f"{s.name} epoch {epoch}: lost {_seqs(lo, hi)}: {reason}")
         if self.undecodable:
             out.append(f"{_plural(self.undecodable, 'record')} could not be decoded (skipped)")
         out.extend(f"sent-log: {d}" for d in self.sent_differences or ())
@@ -524,7 +529,10 @@ class _Stream:
             r.batches += len(ep.batches)
             for lo, hi, reason in lost:
                 r.lost_ranges.append((e, lo, hi, reason))
-                r.lost_batches += hi - lo + 1
+                if hi == TAIL_END:
+                    r.unknown_tails += 1
+                else:
+                    r.lost_batches += hi - lo + 1
         return r
 
 
@@ -751,6 +759,10 @@ class SentComparer:
             inc = self._incarnations[key][epoch]
             known = sorted(self._sent.get(key, {}).get(inc, {}))
             for lo, hi in ranges:
+                if hi == TAIL_END:  # "whatever came after, if anything": up to what was sent
+                    hi = max(known[-1] if known else lo, lo)
+                    if not known or lo > known[-1]:
+                        continue
                 for a, b in _missing(known, lo, hi):
                     out.append(
                         f"{self._label(key, inc, epoch)}: EventsLost covers {_seqs(a, b)}, "

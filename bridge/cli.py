@@ -237,6 +237,13 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
         "batches, so a dropped last batch is not missed while the engine is idle (2s; 0 = off)",
     )
     run.add_argument(
+        "--silent-warning",
+        type=parse_duration,
+        metavar="DURATION",
+        help="warn (log, kvbridge_stream_silent, /readyz details) about a stream that has "
+        "received nothing at all this long after it was opened (30s; 0 = never)",
+    )
+    run.add_argument(
         "--poll-timeout",
         type=parse_duration,
         metavar="DURATION",
@@ -376,6 +383,7 @@ def resolve_run_config(
     cfg.reconnect_factor = pick("reconnect_factor", float)
     cfg.silence_timeout = pick("silence_timeout", parse_duration)
     cfg.idle_probe = pick("idle_probe", parse_duration)
+    cfg.silent_warning = pick("silent_warning", parse_duration)
     cfg.checkpoint_topic = pick("checkpoint_topic")
     cfg.checkpoint_interval = pick("checkpoint_interval", parse_duration)
     cfg.exactly_once = pick("exactly_once", boolean)

@@ -191,6 +191,7 @@ class BridgeConfig:
     reconnect_factor: float = 2.0
     silence_timeout: float = 0.0  # reconnect after this long without a message; 0 = off
     idle_probe: float = 2.0  # ask for newer batches after this long idle; 0 = off
+    silent_warning: float = 30.0  # report a stream that heard nothing this long; 0 = never
     poll_timeout: float = 0.1  # longest the event loop sleeps
     max_replays: int = 8  # replays in flight across all pods (vLLM serves them inline)
     checkpoint_topic: str | None = None  # default "<topic>.checkpoints"

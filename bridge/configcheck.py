@@ -120,6 +120,9 @@ def validate(cfg: BridgeConfig, sources: dict[str, str]) -> None:
     ):
         if getattr(cfg, name) <= 0:
             fail(name, "must be a duration > 0, e.g. 2s or 100ms")
+    for name in ("silence_timeout", "idle_probe", "silent_warning"):
+        if getattr(cfg, name) < 0:
+            fail(name, "must be a duration >= 0 (0 turns it off), e.g. 30s")
     if cfg.reconnect_max < cfg.reconnect_initial:
         fail("reconnect_max", f"must be >= reconnect_initial ({cfg.reconnect_initial}s)")
     if cfg.reconnect_factor < 1.0:

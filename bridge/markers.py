@@ -27,11 +27,22 @@ class PublisherRestarted:
 KAFKA_REFUSED = "kafka refused a record"
 
 
+# to_seq of an EventsLost whose range has no known end: the tail of an epoch closed by a
+# publisher restart (or a seq jump). Whatever the old incarnation published from from_seq on,
+# if anything, is unknown; the next marker opens a new epoch, so consumers reset anyway.
+TAIL_END = 2**63 - 1
+
+
 @dataclass(slots=True, frozen=True)
 class EventsLost:
     from_seq: int
     to_seq: int
     reason: str
+
+    @property
+    def open_ended(self) -> bool:
+        """The range is an epoch's unknown tail (``to_seq == TAIL_END``): not a count."""
+        return self.to_seq == TAIL_END
 
 
 @dataclass(slots=True, frozen=True)

@@ -97,6 +97,13 @@ class BridgeMetrics:
             ["pod", "dp_rank"],
             registry=r,
         )
+        self.silent = Gauge(
+            p + "stream_silent",
+            "1 while the stream has heard nothing at all (no live message, no replayed batch) "
+            "for longer than the silent warning after it was opened",
+            ["pod", "dp_rank"],
+            registry=r,
+        )
         self.since_last_event = Gauge(
             p + "seconds_since_last_event",
             "Seconds since the stream last received a vLLM batch live from its pod (updated ~1/s)",
@@ -185,10 +192,15 @@ class StreamStats:
             self.last_seq = None
 
     def connection(
-        self, connected: bool | None, last_message: float, now: float | None = None
+        self,
+        connected: bool | None,
+        last_message: float,
+        now: float | None = None,
+        silent: bool = False,
     ) -> None:
-        """Connection state (None: unknown, not set) and seconds since the last message
-        (``last_message`` on the monotonic clock; 0: none yet, not set)."""
+        """Connection state (None: unknown, not set), seconds since the last message
+        (``last_message`` on the monotonic clock; 0: none yet, not set), silence."""
+        self._child(self._m.silent, self.pod, self.rank).set(1 if silent else 0)
         if connected is not None:
             self._child(self._m.connected, self.pod, self.rank).set(1 if connected else 0)
         if last_message > 0:

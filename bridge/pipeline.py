@@ -232,7 +232,19 @@ class Pipeline:
     def marker(self, stream: StreamInfo, epoch: int, seq: int, marker: Marker) -> None:
         env = Envelope(stream.pod, stream.model, stream.dp_rank, epoch, seq, -1, time.time())
         self.metrics.markers_out.labels(stream.pod, type(marker).__name__).inc()
-        if isinstance(marker, EventsLost):
+        if isinstance(marker, EventsLost) and marker.open_ended:
+            # Not a count of batches: the end of an epoch whose later batches, if the old
+            # incarnation published any, are unknown (a restart or a seq jump follows).
+            log.info(
+                "pod %s rank %d epoch %d ends after seq %d: anything it published later is "
+                "unknown (%s)",
+                stream.pod,
+                stream.dp_rank,
+                epoch,
+                marker.from_seq - 1,
+                marker.reason,
+            )
+        elif isinstance(marker, EventsLost):
             reason = marker.reason.split(":", 1)[0]
             self.metrics.batches_lost.labels(stream.pod, reason).inc(
                 marker.to_seq - marker.from_seq + 1

@@ -111,6 +111,7 @@ class Bridge:
             config.reconnect_factor,
             config.silence_timeout,
             config.idle_probe,
+            config.silent_warning,
         )
         _raise_fd_limit(8 * self._stream_count() + 256)
 
@@ -708,6 +709,9 @@ class Bridge:
             "streams": len(streams),
             "streams_connected": sum(1 for st in streams if getattr(st, "connected", False)),
         }
+        silent = [st for st in streams if getattr(st, "silent", False)]
+        if silent:  # not a reason to be unready (an idle engine is fine), but say which
+            details["streams_silent"] = [f"{st.info.pod} rank {st.info.dp_rank}" for st in silent]
         if reasons:
             details["reasons"] = reasons
         return not reasons, details

@@ -58,6 +58,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from bridge.markers import TAIL_END
+
 __all__ = [
     "LOST_BEFORE_FIRST_CONTACT",
     "LOST_NOT_IN_REPLAY_BUFFER",
@@ -68,6 +70,9 @@ __all__ = [
     "LOST_REPLAY_TIMED_OUT",
     "LOST_RESTARTED",
     "LOST_RESTARTED_DURING_REPLAY",
+    "LOST_SEQ_JUMP",
+    "LOST_UNKNOWN_TAIL",
+    "TAIL_END",
     "Action",
     "Deliver",
     "EventsLost",
@@ -89,6 +94,11 @@ LOST_REPLAY_TIMED_OUT = "replay timed out"  # gave up; the last attempt timed ou
 LOST_REPLAY_INCOMPLETE = "replay incomplete"  # gave up; the last reply had a hole or stopped short
 LOST_RESTARTED_DURING_REPLAY = "publisher restarted during replay"
 LOST_RESTARTED = "publisher restarted"
+# The open end of an epoch closed by a restart or a seq jump: whatever the old incarnation
+# published after the last seq accounted (its last batches dropped by the PUB, or heard after
+# a reconnect whose incarnation was then unknown) can never be known. to_seq is TAIL_END.
+LOST_UNKNOWN_TAIL = "unknown tail"
+LOST_SEQ_JUMP = "seq jump"  # a seq too far ahead to be a gap: the stream starts afresh
 LOST_REASONS = frozenset(
     {
         LOST_BEFORE_FIRST_CONTACT,
@@ -99,8 +109,13 @@ LOST_REASONS = frozenset(
         LOST_REPLAY_INCOMPLETE,
         LOST_RESTARTED_DURING_REPLAY,
         LOST_RESTARTED,
+        LOST_UNKNOWN_TAIL,
+        LOST_SEQ_JUMP,
     }
 )
+
+
+_REFUSED = 2**64  # _attempt_prev once a reply of the attempt was refused: ignore the rest
 
 
 def payload_digest(payload: bytes) -> bytes:
@@ -120,6 +135,11 @@ class SequencerConfig:
     backoff_factor: float = 2.0
     replay_cooldown: float = 30.0  # after giving up, gaps within this time are lost at once
     max_held: int = 10_000  # live messages held while a replay runs
+    # A live seq this far beyond the highest known is no gap but a discontinuity (a restart
+    # the seq did not show, or a bug of the pod): the epoch ends with an unknown tail and a
+    # new one starts at that seq. Replay replies beyond it are refused. vLLM's ring holds
+    # 10,000 batches by default, so a larger gap could not be replayed anyway.
+    max_seq_jump: int = 100_000
 
     def __post_init__(self) -> None:
         problems = []
@@ -135,6 +155,8 @@ class SequencerConfig:
             problems.append("replay_cooldown must be >= 0")
         if self.max_held < 0:
             problems.append("max_held must be >= 0")
+        if self.max_seq_jump < 1:
+            problems.append("max_seq_jump must be >= 1")
         if problems:
             raise ValueError("invalid SequencerConfig: " + "; ".join(problems))
 
@@ -239,6 +261,8 @@ class StreamSequencer:
         "_attempt_first",
         "_attempt_from",
         "_attempt_broken",
+        "_attempt_start",
+        "_attempt_prev",
         "_failures",
         "_backoff",
         "_idle_at",
@@ -263,6 +287,9 @@ class StreamSequencer:
         "_n_restarts_on_reconnect",
         "_n_unverified_reconnects",
         "_n_unverified_discarded",
+        "_n_bad_replies",
+        "_n_seq_jumps",
+        "_n_unknown_tails",
     )
 
     def __init__(self, config: SequencerConfig, epoch: int) -> None:
@@ -282,6 +309,8 @@ class StreamSequencer:
         self._attempt_first = False
         self._attempt_from = 0
         self._attempt_broken = False
+        self._attempt_start = 0  # the seq the attempt's request asked from
+        self._attempt_prev = -1  # the last seq of the attempt's reply so far
         self._failures = 0  # consecutive failed attempts (one that made progress counts 1)
         self._backoff = 0.0
         self._idle_at = 0.0
@@ -306,6 +335,9 @@ class StreamSequencer:
         self._n_restarts_on_reconnect = 0
         self._n_unverified_reconnects = 0
         self._n_unverified_discarded = 0
+        self._n_bad_replies = 0
+        self._n_seq_jumps = 0
+        self._n_unknown_tails = 0
 
     # ------------------------------------------------------------------ inputs
 
@@ -371,12 +403,21 @@ class StreamSequencer:
             return []
         self._idle_at = now + self._cfg.replay_idle_timeout
         out: list[Action] = []
+        if self._attempt_prev == _REFUSED:
+            self._n_replay_discarded += 1
+            return out
+        if not self._plausible_reply(seq):
+            # Not an answer to our request: a ROUTER sends seqs >= the start, increasing, and
+            # never far beyond what the publisher can have published. Believe nothing of this
+            # reply: the attempt fails at its end (or timeout) and is retried.
+            self._n_bad_replies += 1
+            self._attempt_broken = True
+            self._attempt_prev = _REFUSED
+            return out
+        self._attempt_prev = seq
         if self._verify:  # the first reply of a reconnect's check decides
             last = self._last
             assert last is not None
-            if seq < last:  # not an answer to our request (the ROUTER sends seq >= start)
-                self._n_duplicates_dropped += 1
-                return out
             if seq == last and not self._is_last_payload(payload):
                 self._restarted_on_reconnect(out, seq, now)
                 return out
@@ -427,7 +468,7 @@ class StreamSequencer:
             return []
         out: list[Action] = []
         self._in_flight = False
-        if self._verify:  # nothing >= last_seq buffered: not the incarnation we followed
+        if self._verify and not self._attempt_broken:  # nothing >= last_seq buffered: restarted
             self._restarted_on_reconnect(out, 0, now)
             return out
         self._attempt_over(out, now, timed_out=False)
@@ -527,6 +568,18 @@ class StreamSequencer:
         "Live messages dropped because their incarnation was unknown (replayed again instead).",
     )
 
+    bad_replies = _counter(
+        "bad_replies",
+        "Replay replies refused: below the requested seq, not increasing, or beyond max_seq_jump "
+        "(each fails its attempt).",
+    )
+    seq_jumps = _counter(
+        "seq_jumps", "Live seqs beyond max_seq_jump of the highest known: a new epoch each."
+    )
+    unknown_tails = _counter(
+        "unknown_tails", "Epochs closed with an open-ended EventsLost (restart or seq jump)."
+    )
+
     def __repr__(self) -> str:
         return (
             f"<StreamSequencer epoch={self._epoch} next={self._next} live_max={self._live_max}"
@@ -543,6 +596,9 @@ class StreamSequencer:
         if (live_max is not None and seq <= live_max) or (seq == 0 and self._highest() > 0):
             self._restart(out, seq)
             live_max = None
+        elif self._started and seq - self._highest() > self._cfg.max_seq_jump:
+            self._jump(out, seq, payload)
+            return out
         nxt = self._next
         expected = nxt if live_max is None else max(nxt, live_max + 1)
         if seq > expected and (live_max is not None or nxt > 0):
@@ -577,6 +633,12 @@ class StreamSequencer:
         self._sync()
         return out
 
+    def _plausible_reply(self, seq: int) -> bool:
+        if seq < self._attempt_start or seq <= self._attempt_prev:
+            return False
+        known = -1 if self._seen_max is None else self._seen_max
+        return seq - max(known, self._attempt_start) <= self._cfg.max_seq_jump
+
     def _highest(self) -> int:
         seen = -1 if self._seen_max is None else self._seen_max
         return max(seen, self._next - 1)
@@ -595,18 +657,48 @@ class StreamSequencer:
             self._seen_max = self._verify_seen
             self._verify = False
         reason = LOST_RESTARTED_DURING_REPLAY if self._recovering else LOST_RESTARTED
-        if self._seen_max is not None:
-            self._account_to(out, self._seen_max + 1, reason)
+        self._close_epoch(out, reason)
         old = self._epoch
         out.append(PublisherRestarted(old, old + 1, self._last, seq))
-        self._epoch = old + 1
-        self._next = 0
+        self._new_epoch(0)
+        self._started = True  # PublisherRestarted opens the new epoch
+
+    def _close_epoch(self, out: list[Action], reason: str) -> None:
+        """Account the epoch up to the highest seq known, then end it with its unknown tail:
+        batches the old incarnation published after that (dropped by the PUB, or heard after
+        a reconnect and discarded with their unknown incarnation) can never be fetched."""
+        if self._seen_max is not None:
+            self._account_to(out, self._seen_max + 1, reason)
+        if self._started and self._next <= TAIL_END:
+            out.append(EventsLost(self._epoch, self._next, TAIL_END, LOST_UNKNOWN_TAIL))
+            self._n_unknown_tails += 1
+            self._next = TAIL_END + 1
+
+    def _new_epoch(self, next_seq: int) -> None:
+        self._epoch += 1
+        self._next = next_seq
         self._last = self._live_max = self._seen_max = None
         self._last_payload = None
+        self._last_digest = None
         self._held.clear()
-        self._started = True  # PublisherRestarted opens the new epoch
+        self._started = False
+        self._verify = False
         self._recovering = self._in_flight = False
         self._failures = 0
+
+    def _jump(self, out: list[Action], seq: int, payload: bytes) -> None:
+        """Live ``seq`` is beyond ``max_seq_jump`` of anything known: not a gap to replay (nor
+        to count as lost batches) but a discontinuity. The epoch ends, and a new one starts
+        at ``seq`` with StreamStarted, so consumers reset the stream's state."""
+        self._n_seq_jumps += 1
+        if self._in_flight:
+            out.append(ResetReplay())
+        self._verify = False
+        self._close_epoch(out, LOST_SEQ_JUMP)
+        self._new_epoch(seq)
+        self._live_max = self._seen_max = seq
+        self._deliver(out, seq, payload, False)  # StreamStarted(epoch, seq) first
+        self._sync()
 
     def _restarted_on_reconnect(self, out: list[Action], seq: int, now: float) -> None:
         """A reconnect's check revealed a restart: new epoch, then a first contact."""
@@ -636,7 +728,10 @@ class StreamSequencer:
         # A reconnect's check asks from the last delivered seq, to compare its payload.
         if self._verify:
             why += f"; checking that seq {self._last} is unchanged"
-        out.append(SendReplay(self._last if self._verify else self._next, why))
+        start = self._last if self._verify else self._next
+        out.append(SendReplay(start, why))
+        self._attempt_start = start
+        self._attempt_prev = -1
         self._n_replays_requested += 1
         self._in_flight = True
         self._attempt_first = True

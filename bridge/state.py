@@ -158,7 +158,8 @@ class CacheState:
             if isinstance(ev, StreamStarted) and ev.next_seq > 0:
                 st.uncertain = True
         elif isinstance(ev, EventsLost):
-            st.lost_batches += ev.to_seq - ev.from_seq + 1
+            if not ev.open_ended:  # an epoch's unknown tail is no count of batches
+                st.lost_batches += ev.to_seq - ev.from_seq + 1
             if st.epoch != env.epoch:
                 st.epoch = env.epoch
             # A loss entirely before a later clear (in this epoch) changed nothing that is left.

@@ -54,6 +54,10 @@ class ReconnectPolicy:
     # After this long without a live message, ask the replay socket once for anything newer:
     # a dropped last batch is otherwise invisible until the engine publishes again.
     idle_probe: float = 2.0
+    # A stream that has heard nothing at all (no live message, no replayed batch) this long
+    # after it was opened is reported: a warning saying what to check, the silent gauge and
+    # /readyz's details (0 = never).
+    silent_warning: float = 30.0
 
     def delay(self, attempts: int) -> float:
         base = min(self.maximum, self.initial * self.factor ** min(attempts, 64))
@@ -110,6 +114,13 @@ class StreamSubscriber:
         self.replay_waiting: int | None = None  # start seq queued behind the fleet-wide limit
         self.last_message = 0.0
         self.probe_at: float | None = None
+        # Until the first message, probes repeat (backing off): the engine's ring may hold
+        # everything although nothing arrives live (a PUB that cannot be reached).
+        self.probe_interval = reconnect.idle_probe
+        self.opened_at: float | None = None  # the first tick's time
+        self.heard = False  # any live message or replayed batch since open
+        self.silent = False  # reported as silent (nothing heard after silent_warning)
+        self._silent_warn_at: float | None = None
         self.metrics = pipeline.metrics
         self.connected = False
         self.reconnect_at: float | None = None
@@ -236,6 +247,7 @@ class StreamSubscriber:
     def handle_live(self, msg: LiveMessage, now: float) -> None:
         """One well-framed live message for this stream (from its SUB or a shared listener)."""
         self.last_message = now
+        self._heard()
         if self.dealer is not None and self.reconnect.idle_probe > 0:
             self.probe_at = now + self.reconnect.idle_probe
         self._apply(self.sequencer.on_live(msg.seq, msg.payload, now), now)
@@ -256,6 +268,7 @@ class StreamSubscriber:
                 self.bad_input.warning(self.info.pod, "replay_frames", "bad replay reply: %s", exc)
                 continue
             if isinstance(reply, ReplayBatch):
+                self._heard()
                 self._apply(self.sequencer.on_replay_batch(reply.seq, reply.payload, now), now)
             else:
                 self._apply(self.sequencer.on_replay_end(now), now)
@@ -266,7 +279,59 @@ class StreamSubscriber:
             return None
         return self.last_message + t
 
+    def _heard(self) -> None:
+        if not self.heard:
+            self.heard = True
+            self.probe_interval = self.reconnect.idle_probe
+            if self.silent:
+                self.silent = False
+                log.info("pod %s rank %d: first message received", self.info.pod, self.info.dp_rank)
+
+    def _first_tick(self, now: float) -> None:
+        self.opened_at = now
+        policy = self.reconnect
+        if policy.silent_warning > 0:
+            self._silent_warn_at = now + policy.silent_warning
+        if self.dealer is not None and policy.idle_probe > 0 and self.probe_at is None:
+            # First contact does not wait for a live message: if none comes, ask the ring.
+            self.probe_at = now + policy.idle_probe
+
+    def _warn_silent(self, now: float) -> None:
+        self.silent = True
+        self._silent_warn_at = now + 300.0  # then every 5 minutes while it lasts
+        assert self.opened_at is not None
+        if self.pub_endpoint is None:
+            where = "on the shared --listen socket (is the engine's PUB connecting to it?)"
+        elif self.connected:
+            where = (
+                f"although the SUB is connected to {self.pub_endpoint}: is the engine publishing "
+                f"(--kv-events-config enable_kv_cache_events) on topic {self.topic.decode()!r}?"
+            )
+        else:
+            where = (
+                f"and the SUB never connected to {self.pub_endpoint}: the engine must bind "
+                "(its endpoint 'tcp://*:PORT'); if its endpoint has no '*' it connects out, "
+                "then run the bridge with --listen"
+            )
+        replay = (
+            f"; the replay socket {self.replay_endpoint} did not answer either"
+            if self.dealer is not None
+            else ""
+        )
+        log.warning(
+            "pod %s rank %d: nothing received in %.0fs %s%s",
+            self.info.pod,
+            self.info.dp_rank,
+            now - self.opened_at,
+            where,
+            replay,
+        )
+
     def on_tick(self, now: float) -> None:
+        if self.opened_at is None:
+            self._first_tick(now)
+        if not self.heard and self._silent_warn_at is not None and now >= self._silent_warn_at:
+            self._warn_silent(now)
         silent_at = self._silence_deadline()
         if silent_at is not None and now >= silent_at:
             log.warning(
@@ -292,6 +357,9 @@ class StreamSubscriber:
             self.reconnect_at = now + self._backoff()
         if self.probe_at is not None and now >= self.probe_at:
             self.probe_at = None
+            if not self.heard and self.dealer is not None:
+                self.probe_interval = min(30.0, self.probe_interval * 2)
+                self.probe_at = now + self.probe_interval
             if self.replay_waiting is None and not self.sequencer.replay_in_flight:
                 # Same as after a reconnect: replay whatever may have been missed.
                 self._apply(self.sequencer.on_connect(now), now)
@@ -301,7 +369,10 @@ class StreamSubscriber:
     def next_deadline(self) -> float | None:
         """The earliest timer: reconnect, silence, or the sequencer's (not while queued)."""
         d = None if self.replay_waiting is not None else self.sequencer.next_deadline()
-        for t in (self.reconnect_at, self._silence_deadline(), self.probe_at):
+        if self.opened_at is None:
+            return 0.0  # the first tick arms the timers
+        silent = None if self.heard else self._silent_warn_at
+        for t in (self.reconnect_at, self._silence_deadline(), self.probe_at, silent):
             if t is not None and (d is None or t < d):
                 d = t
         return d
@@ -361,7 +432,9 @@ class StreamSubscriber:
         message into Prometheus (called about once a second and when the bridge stops)."""
         stats = self.pipeline.stats(self.info)
         # A stream fed by a shared listener has no connection of its own: no connected gauge.
-        stats.connection(self.connected if self.pub_endpoint else None, self.last_message)
+        stats.connection(
+            self.connected if self.pub_endpoint else None, self.last_message, silent=self.silent
+        )
         seq, pod = self.sequencer, self.info.pod
         current = (
             seq.gaps,

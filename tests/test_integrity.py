@@ -77,10 +77,15 @@ def test_drops_older_than_the_buffer_are_reported_exactly(kafka_bootstrap, make_
         wait_topic_matches(kafka_bootstrap, topic, fleet)
     records = read_all(kafka_bootstrap, topic)
     lost = [r.event for r in records if isinstance(r.event, EventsLost)]
-    assert [(e.from_seq, e.to_seq, e.reason) for e in lost] == [(10, 25, "not in replay buffer")]
+    assert {e.reason for e in lost} == {"not in replay buffer"}
+    lost_seqs = {s for e in lost for s in range(e.from_seq, e.to_seq + 1)}
+    # Usually exactly 10..25. When the bridge sees its SUB's connect event only after the
+    # first batches (a loaded machine), the reconnect check replays earlier and finds more of
+    # 10..25 still in the ring: fewer are lost, never more, and never 26..30.
+    assert lost_seqs and lost_seqs <= set(range(10, 26)), sorted(lost_seqs)
     report = check_topic(kafka_bootstrap, topic, sent=fleet.sent())
-    assert report.ok, report.details()
-    assert report.lost_batches == 16
+    assert report.ok, report.details()  # everything else delivered, as sent
+    assert report.lost_batches == len(lost_seqs)
 
 
 def test_publisher_restart_opens_a_new_epoch(kafka_bootstrap, make_topic):
@@ -93,6 +98,9 @@ def test_publisher_restart_opens_a_new_epoch(kafka_bootstrap, make_topic):
         drop_rate=0.05,
         restart_at_batches=frozenset({50}),
         seed=4,
+        # Without it a bridge slow to start (a loaded machine) first hears the pod after its
+        # restart: one epoch, and the sent-log comparison maps it to the wrong incarnation.
+        wait_for_subscriber=True,
     )
     with (
         SimulatedFleet(spec) as fleet,
@@ -102,8 +110,10 @@ def test_publisher_restart_opens_a_new_epoch(kafka_bootstrap, make_topic):
         wait_topic_matches(kafka_bootstrap, topic, fleet)
     records = read_all(kafka_bootstrap, topic)
     markers = [r for r in records if r.envelope.index < 0]
-    assert [type(m.event) for m in markers] == [StreamStarted, PublisherRestarted]
-    restart = markers[1]
+    assert [type(m.event) for m in markers] == [StreamStarted, EventsLost, PublisherRestarted]
+    tail, restart = markers[1], markers[2]
+    # The old epoch ends with its unknown tail: whatever came after seq 49, if anything.
+    assert tail.event.open_ended and tail.event.from_seq == 50
     assert restart.event.first_seq == 0 and restart.event.last_seq == 49
     assert restart.envelope.epoch == restart.event.old_epoch + 1
     # Everything after the marker belongs to the new epoch, starting again at seq 0.

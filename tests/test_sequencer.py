@@ -23,6 +23,9 @@ from bridge.sequencer import (
     LOST_REPLAY_INCOMPLETE,
     LOST_REPLAY_TIMED_OUT,
     LOST_RESTARTED_DURING_REPLAY,
+    LOST_SEQ_JUMP,
+    LOST_UNKNOWN_TAIL,
+    TAIL_END,
     Action,
     Deliver,
     EventsLost,
@@ -65,6 +68,11 @@ def replay(
     if end:
         out += sq.on_replay_end(now)
     return out
+
+
+def T(from_seq: int, epoch: int = E) -> EventsLost:
+    """The unknown tail that closes an epoch at a restart (or a seq jump)."""
+    return EventsLost(epoch, from_seq, TAIL_END, LOST_UNKNOWN_TAIL)
 
 
 def make(**kw) -> StreamSequencer:
@@ -379,6 +387,7 @@ def test_held_overflow_after_give_up_is_reported_lost():
 def test_restart_without_replay_in_flight():
     sq = running(0, 1, 2)
     assert live(sq, 0, 1, inc=1) == [
+        T(3),
         PublisherRestarted(E, E + 1, 2, 0),
         D(0, epoch=E + 1, inc=1),
         D(1, epoch=E + 1, inc=1),
@@ -389,7 +398,7 @@ def test_restart_without_replay_in_flight():
 def test_restart_to_a_later_seq_replays_the_new_incarnation_from_zero():
     sq = make()
     live(sq, 0, 1, 2, 3, 4)
-    assert live(sq, 2, inc=1) == [PublisherRestarted(E, E + 1, 4, 2), SendReplay(0)]
+    assert live(sq, 2, inc=1) == [T(5), PublisherRestarted(E, E + 1, 4, 2), SendReplay(0)]
     assert replay(sq, [0, 1, 2, 3], inc=1) == [
         D(0, True, E + 1, 1),
         D(1, True, E + 1, 1),
@@ -402,6 +411,7 @@ def test_restart_to_a_later_seq_replays_the_new_incarnation_from_zero():
 def test_restart_to_a_later_seq_without_replay(kw):
     sq = running(0, 1, 2, 3, 4, **kw)
     assert live(sq, 2, inc=1) == [
+        T(5),
         PublisherRestarted(E, E + 1, 4, 2),
         EventsLost(E + 1, 0, 1, LOST_BEFORE_FIRST_CONTACT),
         D(2, epoch=E + 1, inc=1),
@@ -418,6 +428,7 @@ def test_restart_with_replay_in_flight():
         D(5),
         EventsLost(E, 6, 6, LOST_RESTARTED_DURING_REPLAY),
         D(7),
+        T(8),
         PublisherRestarted(E, E + 1, 7, 0),
         D(0, epoch=E + 1, inc=1),
     ]
@@ -429,7 +440,11 @@ def test_restart_revealed_by_seq_zero_after_replayed_history():
     sq = make()
     sq.on_connect(0.0)
     replay(sq, [0, 1, 2])  # nothing seen live yet
-    assert live(sq, 0, inc=1) == [PublisherRestarted(E, E + 1, 2, 0), D(0, epoch=E + 1, inc=1)]
+    assert live(sq, 0, inc=1) == [
+        T(3),
+        PublisherRestarted(E, E + 1, 2, 0),
+        D(0, epoch=E + 1, inc=1),
+    ]
 
 
 def test_seq_zero_lagging_behind_a_first_contact_replay_counts_as_a_restart():
@@ -440,6 +455,7 @@ def test_seq_zero_lagging_behind_a_first_contact_replay_counts_as_a_restart():
     sq.on_connect(0.0)
     replay(sq, [0, 1, 2])
     assert live(sq, 0, 1, 2, 3) == [
+        T(3),
         PublisherRestarted(E, E + 1, 2, 0),
         *Ds([0, 1, 2, 3], epoch=E + 1),
     ]
@@ -460,6 +476,7 @@ def test_restart_during_first_contact_replay_opens_the_old_epoch_first():
         EventsLost(E, 0, 3, LOST_RESTARTED_DURING_REPLAY),
         D(4),
         D(5),
+        T(6),
         PublisherRestarted(E, E + 1, 5, 1),
         SendReplay(0),
     ]
@@ -529,6 +546,7 @@ def test_restart_while_disconnected_is_caught_by_the_check(top):
     assert live(sq, top + 1, top + 2, inc=1) == [] and sq.held == 2  # held while checking
     assert sq.on_replay_batch(4, pl(4, 1), 1.1) == [  # same seq, other bytes
         ResetReplay(),
+        T(5),
         PublisherRestarted(E, E + 1, 4, 4),
         SendReplay(0),
     ]
@@ -544,7 +562,7 @@ def test_restart_while_disconnected_behind_with_an_empty_reply():
     sq = running(0, 1, 2, 3, 4, first_contact="replay")
     assert sq.on_connect(1.0) == [SendReplay(4)]
     # Inc 1 only got to 2: nothing >= 4 buffered, which the same incarnation cannot answer.
-    assert sq.on_replay_end(1.1) == [PublisherRestarted(E, E + 1, 4, 0), SendReplay(0)]
+    assert sq.on_replay_end(1.1) == [T(5), PublisherRestarted(E, E + 1, 4, 0), SendReplay(0)]
     assert replay(sq, [0, 1, 2], now=1.2, inc=1) == Ds([0, 1, 2], True, E + 1, 1)
     assert live(sq, 3, inc=1) == [D(3, epoch=E + 1, inc=1)]
     assert sq.restarts_detected_on_reconnect == 1 and sq.lost == 0
@@ -553,7 +571,12 @@ def test_restart_while_disconnected_behind_with_an_empty_reply():
 def test_restart_while_disconnected_behind_revealed_live_during_the_check():
     sq = running(0, 1, 2, 3, 4, first_contact="replay")
     sq.on_connect(1.0)
-    assert live(sq, 1, inc=1) == [ResetReplay(), PublisherRestarted(E, E + 1, 4, 1), SendReplay(0)]
+    assert live(sq, 1, inc=1) == [
+        ResetReplay(),
+        T(5),
+        PublisherRestarted(E, E + 1, 4, 1),
+        SendReplay(0),
+    ]
     assert sq.restarts == 1 and sq.restarts_detected_on_reconnect == 0 and not sq.verifying
     assert replay(sq, [0, 1, 2], inc=1) == [D(0, True, E + 1, 1), D(1, False, E + 1, 1)] + [
         D(2, True, E + 1, 1)
@@ -565,6 +588,7 @@ def test_restart_found_by_the_check_in_live_first_contact_mode():
     assert sq.on_connect(1.0) == [SendReplay(4)]
     assert sq.on_replay_batch(4, pl(4, 1), 1.1) == [
         ResetReplay(),
+        T(5),
         PublisherRestarted(E, E + 1, 4, 4),
     ]
     assert not sq.recovering and sq.next_deadline() is None
@@ -583,6 +607,7 @@ def test_restart_found_by_the_check_during_a_gap_recovery():
         ResetReplay(),
         EventsLost(E, 2, 3, LOST_RESTARTED_DURING_REPLAY),
         D(4),  # heard before the reconnect: the old incarnation's
+        T(5),
         PublisherRestarted(E, E + 1, 4, 1),
         SendReplay(0),
     ]
@@ -602,6 +627,7 @@ def test_restart_found_by_the_check_never_files_later_live_in_the_old_epoch():
         EventsLost(E, 2, 3, LOST_RESTARTED_DURING_REPLAY),
         D(4),
         EventsLost(E, 5, 6, LOST_RESTARTED_DURING_REPLAY),  # inc 0's 5 and 6, never inc 1's
+        T(7),
         PublisherRestarted(E, E + 1, 4, 1),
         SendReplay(0),
     ]
@@ -611,7 +637,6 @@ def test_restart_found_by_the_check_never_files_later_live_in_the_old_epoch():
 def test_same_incarnation_reconnect_without_missed_batches():
     sq = running(0, 1, 2, 3, 4)
     assert sq.on_connect(1.0) == [SendReplay(4)]
-    assert sq.on_replay_batch(2, pl(2), 1.1) == [] and sq.verifying  # below the request: no answer
     assert replay(sq, [4], now=1.1) == []
     assert not sq.recovering and not sq.verifying and sq.next_deadline() is None
     assert sq.reconnects_verified == 1 and sq.restarts == 0 and sq.unverified_reconnects == 0
@@ -677,7 +702,7 @@ def test_check_timing_out_then_finding_a_restart():
     sq.on_connect(10.0)
     sq.on_tick(12.0)
     assert sq.on_tick(12.25) == [SendReplay(4)]
-    assert sq.on_replay_end(12.3) == [PublisherRestarted(E, E + 1, 4, 0), SendReplay(0)]
+    assert sq.on_replay_end(12.3) == [T(5), PublisherRestarted(E, E + 1, 4, 0), SendReplay(0)]
 
 
 def test_check_giving_up_keeps_following_unchecked():
@@ -950,12 +975,14 @@ class Harness:
         delivered: set[tuple[int, int]] = set()
         n_lost = 0
         lossy_epochs: set[int] = set()
+        closed_by_tail: set[int] = set()
         for a in self.actions:
             if isinstance(a, StreamStarted):
                 assert a == StreamStarted(E, 0) and epoch == E and not started
                 started = True
             elif isinstance(a, PublisherRestarted):
                 assert (a.old_epoch, a.epoch) == (epoch, epoch + 1)
+                assert epoch in closed_by_tail or not started, "epoch closed without its tail"
                 assert a.last_seq == last[epoch] and (epoch != E or started)
                 epoch = a.epoch
                 expected[epoch], last[epoch] = 0, None
@@ -969,9 +996,13 @@ class Harness:
                 assert a.epoch == epoch and (epoch != E or started)
                 assert a.from_seq == expected[epoch] and a.to_seq >= a.from_seq
                 assert a.reason in LOST_REASONS
-                lossy_epochs.add(epoch)
                 expected[epoch] = a.to_seq + 1
-                n_lost += a.to_seq - a.from_seq + 1
+                if a.to_seq == TAIL_END:  # an epoch's unknown tail: a restart opens the next
+                    assert a.reason == LOST_UNKNOWN_TAIL
+                    closed_by_tail.add(epoch)
+                else:
+                    lossy_epochs.add(epoch)
+                    n_lost += a.to_seq - a.from_seq + 1
             else:
                 assert cfg.replay_enabled
         # Every epoch is accounted past the live seqs it took; the latest incarnation that
@@ -1062,3 +1093,148 @@ def test_model_invariants_under_chaos(data):
 @given(st.data())
 def test_model_reliable_replay_loses_nothing(data):
     run_model(data, reliable=True)
+
+
+# ---------------------------------------------------------------------------- restart tails
+
+
+def test_restart_during_a_check_ends_the_old_epoch_with_its_unknown_tail():
+    """CI's restart-tail loss, deterministically: a gap at seq 1 is being replayed, a
+    reconnect (or idle probe) starts a check, the old incarnation's 25..49 arrive while it
+    runs, then it restarts and the check's reply comes from the new incarnation. 25..49 are
+    of unknown incarnation and dropped; the open-ended EventsLost must cover them."""
+    sq = running(0, first_contact="replay")
+    assert live(sq, 2) == [SendReplay(1)]
+    live(sq, *range(3, 25))  # held behind the replay of 1
+    assert sq.on_connect(1.0) == [ResetReplay(), SendReplay(0)]
+    assert live(sq, *range(25, 50)) == []  # after the reconnect: held, incarnation unknown
+    out = sq.on_replay_batch(0, pl(0, 1), 1.1)  # the new incarnation's seq 0 differs
+    assert out == [
+        ResetReplay(),
+        EventsLost(E, 1, 1, LOST_RESTARTED_DURING_REPLAY),
+        *Ds(range(2, 25)),
+        T(25),  # covers 25..49 (and anything after): never a silent hole
+        PublisherRestarted(E, E + 1, 24, 0),
+        SendReplay(0),
+    ]
+    assert sq.unverified_discarded == 25 and sq.unknown_tails == 1 and sq.lost == 1
+    # The new incarnation is then replayed from 0, in its own epoch.
+    assert replay(sq, [0, 1], now=1.2, inc=1) == Ds([0, 1], True, E + 1, inc=1)
+
+
+def test_restart_revealed_live_ends_the_old_epoch_with_its_unknown_tail():
+    # The old incarnation's last batches (3, 4) were dropped by the PUB: nobody can fetch
+    # them now that its ring is gone. The epoch ends with a tail that covers them.
+    sq = running(0, 1, 2)
+    assert live(sq, 0, inc=1) == [
+        T(3),
+        PublisherRestarted(E, E + 1, 2, 0),
+        D(0, epoch=E + 1, inc=1),
+    ]
+    assert sq.lost == 0 and sq.unknown_tails == 1
+
+
+def test_restart_before_anything_was_accounted_has_no_tail():
+    sq = make()  # first contact "replay"
+    assert live(sq, 5) == [SendReplay(0)]
+    assert live(sq, 1, inc=1) == [
+        ResetReplay(),
+        StreamStarted(E, 0),
+        EventsLost(E, 0, 4, LOST_RESTARTED_DURING_REPLAY),
+        D(5),
+        T(6),
+        PublisherRestarted(E, E + 1, 5, 1),
+        SendReplay(0),
+    ]
+
+
+# ---------------------------------------------------------------------------- hostile replies
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param([10**6], id="far-beyond-the-head"),
+        pytest.param([40], id="below-the-request"),
+    ],
+)
+def test_a_bad_reply_is_a_failed_attempt_that_changes_nothing_else(bad):
+    sq = running(*range(0, 42), backoff_initial=0.25)
+    assert live(sq, 45) == [SendReplay(42)]
+    assert replay(sq, bad, now=0.5) == []
+    assert sq.bad_replies == 1 and sq.replays_failed == 1 and sq.recovering
+    assert sq.lost == 0 and sq.epoch == E and sq.restarts == 0
+    # The retry gets an honest reply: nothing was lost, nothing believed of the bad one.
+    assert sq.on_tick(0.75) == [SendReplay(42)]
+    assert replay(sq, [42, 43, 44, 45], now=0.8) == [*Ds([42, 43, 44], True), D(45)]
+    assert not sq.recovering and sq.lost == 0
+    assert live(sq, 46) == [D(46)]
+
+
+@pytest.mark.parametrize("again", [42, 43], ids=["going-back", "repeated"])
+def test_a_reply_that_is_not_increasing_is_refused_from_there_on(again):
+    sq = running(*range(0, 42), backoff_initial=0.25)
+    assert live(sq, 46) == [SendReplay(42)]
+    assert replay(sq, [42, 43, again, 44, 45], now=0.5) == Ds([42, 43], True)
+    assert sq.bad_replies == 1 and sq.replay_discarded == 2 and sq.recovering
+    assert sq.on_tick(0.75) == [SendReplay(44)]
+    assert replay(sq, [44, 45, 46], now=0.8) == [*Ds([44, 45], True), D(46)]
+    assert sq.lost == 0 and not sq.recovering
+
+
+def test_bad_replies_until_giving_up_lose_only_the_gap():
+    sq = running(*range(0, 35), replay_max_attempts=2, backoff_initial=0.1)
+    assert live(sq, 36) == [SendReplay(35)]
+    assert replay(sq, [10**6], now=0.1) == []
+    assert sq.on_tick(0.2) == [SendReplay(35)]
+    assert replay(sq, [10**6], now=0.3) == [
+        EventsLost(E, 35, 35, LOST_REPLAY_INCOMPLETE),
+        D(36),
+    ]
+    assert sq.bad_replies == 2 and sq.lost == 1 and sq.epoch == E and sq.restarts == 0
+    assert live(sq, 37) == [D(37)]
+
+
+def test_a_bad_reply_to_a_check_decides_nothing():
+    sq = running(0, 1, 2, 3, 4, backoff_initial=0.1)
+    assert sq.on_connect(1.0) == [SendReplay(4)]
+    assert replay(sq, [10**6], now=1.1) == []  # refused, end marker: no restart concluded
+    assert sq.verifying and sq.restarts == 0 and sq.bad_replies == 1
+    assert sq.on_tick(1.25) == [SendReplay(4)]
+    assert replay(sq, [4, 5], now=1.3) == [D(5, True)]
+    assert sq.reconnects_verified == 1 and not sq.verifying and sq.restarts == 0
+
+
+# ---------------------------------------------------------------------------- seq jumps
+
+
+def test_a_huge_seq_jump_starts_the_stream_afresh_instead_of_losing_10_15_batches():
+    sq = running(0, 1, 2)
+    jump = 2 + 10**15
+    assert live(sq, jump) == [
+        T(3),
+        StreamStarted(E + 1, jump),
+        Deliver(E + 1, jump, pl(jump), False),
+    ]
+    assert sq.lost == 0 and sq.seq_jumps == 1 and sq.epoch == E + 1
+    assert live(sq, jump + 1) == [Deliver(E + 1, jump + 1, pl(jump + 1), False)]
+
+
+def test_a_jump_during_a_recovery_abandons_it():
+    sq = running(0, 1, max_seq_jump=1000)
+    assert live(sq, 5) == [SendReplay(2)]
+    assert live(sq, 2000) == [
+        ResetReplay(),
+        EventsLost(E, 2, 4, LOST_SEQ_JUMP),
+        D(5),
+        T(6),
+        StreamStarted(E + 1, 2000),
+        Deliver(E + 1, 2000, pl(2000), False),
+    ]
+    assert not sq.recovering and sq.lost == 3
+
+
+def test_a_gap_within_max_seq_jump_is_still_a_gap():
+    sq = running(0, 1, max_seq_jump=1000)
+    assert live(sq, 1001) == [SendReplay(2)]
+    assert sq.seq_jumps == 0

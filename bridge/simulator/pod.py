@@ -112,6 +112,12 @@ class PodSpec:
     lose_seqs: frozenset[int] = frozenset()
     restart_after: int = 0  # restart each time an incarnation has consumed this many seqs
     restart_at_batches: frozenset[int] = frozenset()  # restart once N batches were consumed
+    # Restart when the k-th replay request (1-based, per rank) arrives, before answering it:
+    # the reply then comes from the new incarnation (a restart while a replay is in flight).
+    restart_on_replay: frozenset[int] = frozenset()
+    # Close and rebind the PUB and ROUTER at each restart, as a real engine restart does:
+    # subscribers see a disconnect and reconnect (not with connect_pub).
+    rebind_on_restart: bool = False
     seed: int = 0
     cache: ModelConfig = field(default_factory=ModelConfig)
     start_delay: float = 0.0  # seconds before the first batch (after wait_for_subscriber)
@@ -121,7 +127,7 @@ class PodSpec:
     connect_pub: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("drop_seqs", "lose_seqs", "restart_at_batches"):
+        for name in ("drop_seqs", "lose_seqs", "restart_at_batches", "restart_on_replay"):
             object.__setattr__(self, name, frozenset(getattr(self, name)))
         if not self.name:
             raise ValueError("a pod needs a non-empty name")
@@ -147,6 +153,8 @@ class PodSpec:
             raise ValueError(f"pod {self.name}: buffer_steps must be >= 1, hwm >= 0")
         if not 0.0 <= self.drop_rate <= 1.0:
             raise ValueError(f"pod {self.name}: drop_rate must be within [0, 1]")
+        if self.rebind_on_restart and self.connect_pub:
+            raise ValueError(f"pod {self.name}: rebind_on_restart needs bound sockets")
         if self.replay_port is not None and self.pub_port is None:
             raise ValueError(f"pod {self.name}: replay_port needs an explicit pub_port")
 
@@ -226,6 +234,7 @@ class RankStats:
     lost: int = 0
     restarts: int = 0
     replays: int = 0  # well-formed replay requests answered
+    replay_requests: int = 0  # well-formed replay requests received
     replayed_batches: int = 0
     invalid_requests: int = 0  # ignored without a reply, as vLLM
     done: bool = False  # every batch of ``batches`` consumed
@@ -363,11 +372,42 @@ class RankPublisher:
             return True
         return self.stats.batches in spec.restart_at_batches and self._incarnation_batches > 0
 
+    def _restart(self) -> None:
+        self._new_incarnation()
+        self.stats.restarts += 1
+        if self.spec.rebind_on_restart:
+            self._pub = self._rebind(self._pub, self.endpoints.pub, zmq.PUB)
+            if self._router is not None:
+                assert self.endpoints.replay is not None
+                self._router = self._rebind(self._router, self.endpoints.replay, zmq.ROUTER)
+
+    def _rebind(self, old: zmq.Socket, endpoint: str, kind: int) -> zmq.Socket:
+        """Close ``old`` and bind a new socket of ``kind`` at ``endpoint`` (libzmq closes the
+        listener asynchronously: retry while the port is still taken)."""
+        pod = self.pod
+        pod.forget_socket(old)
+        old.close(linger=0)
+        new = pod.new_socket(kind)
+        if kind == zmq.PUB:
+            new.sndhwm = new.rcvhwm = self.spec.hwm
+        else:
+            hwm = self.spec.rel.replay_sndhwm(self.spec.buffer_steps)
+            if hwm is not None:
+                new.sndhwm = hwm
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                new.bind(endpoint)
+                return new
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
     def _publish_one(self) -> None:
         spec = self.spec
         if self._restart_due():
-            self._new_incarnation()
-            self.stats.restarts += 1
+            self._restart()
         with self._lock:
             for _ in range(_MAX_EMPTY_STEPS):
                 events = self.model.step()
@@ -427,6 +467,11 @@ class RankPublisher:
                 return
             # vLLM checks only the frame count: [identity, anything, int.from_bytes(anything)]
             identity, start = bytes(frames[0]), int.from_bytes(frames[2], "big")
+        self.stats.replay_requests += 1
+        if self.stats.replay_requests in self.spec.restart_on_replay:
+            self._restart()
+            if self.spec.rebind_on_restart:
+                return  # the engine that got the request is gone: no answer
         rel = self.spec.rel
         for seq, payload in list(self.buffer):
             if seq >= start:
@@ -455,6 +500,7 @@ class SimulatedPod:
         self.stop_event = stop_event or threading.Event()
         self.templates = shared_templates(spec.cache)
         self._sockets: list[zmq.Socket] = []
+        self._sockets_lock = threading.Lock()
         self.publishers: list[RankPublisher] = []
         self._started = False
         self._bind()
@@ -566,6 +612,16 @@ class SimulatedPod:
         sock.linger = 0
         self._sockets.append(sock)
         return sock
+
+    def new_socket(self, kind: int) -> zmq.Socket:
+        """A socket of this pod (closed with it), for a publisher that rebinds."""
+        with self._sockets_lock:
+            return self._socket(kind)
+
+    def forget_socket(self, sock: zmq.Socket) -> None:
+        with self._sockets_lock:
+            if sock in self._sockets:
+                self._sockets.remove(sock)
 
     def _bind_one(self, sock: zmq.Socket, port: int) -> str:
         endpoint = f"tcp://{self.spec.host}:{port}"
