@@ -164,3 +164,65 @@ def test_long_block_stored_is_split_and_rebuilt_whole(kafka_bootstrap, make_topi
     assert report.events == 5 and report.duplicates == 0  # the split event counts once
     assert report.sent_differences == []
     assert compare_with_sent(records, sent) == []
+
+
+@pytest.mark.kafka
+def test_a_batch_that_cannot_be_encoded_is_events_lost_not_a_hole(kafka_bootstrap, make_topic):
+    topic = make_topic()
+    ctx = zmq.Context()
+    pod = HostilePod(ctx)
+    bad = BlockStored([hash_from_int(1)], None, [1, 2, 3, (1 << 64) - 1], 4, medium="GPU")
+    with running_bridge(kafka_bootstrap, topic, [PodConfig("p", "m", pod.endpoint)]) as bridge:
+        pod.wait_subscribed()
+        pod.send(live_frames(b"", 0, valid(0)))
+        # A token id past Avro's 64-bit long: msgpack carries it, the record cannot hold it.
+        pod.send(live_frames(b"", 1, encode_batch(EventBatch(TS, [bad], 0), "0.33.0")))
+        pod.send(live_frames(b"", 2, valid(2)))
+        wait_for(
+            lambda: metric(bridge, "kvbridge_last_seq", pod="p", dp_rank="0") == 2,
+            30,
+            "seq 2 to be delivered",
+        )
+    ctx.destroy(linger=0)
+    records = read_all(kafka_bootstrap, topic)
+    lost = [r.event for r in records if isinstance(r.event, EventsLost)]
+    assert [(e.from_seq, e.to_seq) for e in lost] == [(1, 1)]
+    # Encoding refused it (or, with stricter decoding, the decoder did): named either way.
+    assert lost[0].reason.startswith(("internal error encoding the batch", "undecodable batch"))
+    assert "OverflowError" in lost[0].reason or "undecodable" in lost[0].reason
+    report = check_topic(kafka_bootstrap, topic)
+    assert report.ok and report.hole_batches == 0, report.details()
+
+
+@pytest.mark.kafka
+def test_frame_over_the_zeromq_limit_is_counted_and_the_stream_accounted(
+    kafka_bootstrap, make_topic
+):
+    topic = make_topic()
+    ctx = zmq.Context()
+    pod = HostilePod(ctx)  # a real PUB-compatible socket, no replay endpoint
+    pods = [PodConfig("p", "m", pod.endpoint)]
+    with running_bridge(kafka_bootstrap, topic, pods, max_message_bytes=64 * 1024) as bridge:
+        pod.wait_subscribed()
+        pod.send(live_frames(b"", 0, valid(0)))
+        wait_for(
+            lambda: metric(bridge, "kvbridge_last_seq", pod="p", dp_rank="0") == 0,
+            30,
+            "seq 0 to be delivered",
+        )
+        pod.send(live_frames(b"", 1, _with_huge_envelope_field(1, 128 * 1024)))
+        pod.wait_subscribed()  # ZeroMQ dropped the connection; the bridge's SUB came back
+        pod.send(live_frames(b"", 2, valid(2)))
+        wait_for(
+            lambda: metric(bridge, "kvbridge_last_seq", pod="p", dp_rank="0") == 2,
+            30,
+            "seq 2 after the oversized frame",
+        )
+        assert metric(bridge, "kvbridge_decode_errors_total", pod="p", kind="oversized_frame") == 1
+    ctx.destroy(linger=0)
+    records = read_all(kafka_bootstrap, topic)
+    lost = [r.event for r in records if isinstance(r.event, EventsLost)]
+    assert [(e.from_seq, e.to_seq) for e in lost] == [(1, 1)]  # no replay endpoint here
+    assert [r.envelope.seq for r in records if r.envelope.index >= 0] == [0, 2]
+    report = check_topic(kafka_bootstrap, topic)
+    assert report.ok and report.hole_batches == 0, report.details()
