@@ -34,10 +34,13 @@ __all__ = [
     "envelope_tail",
     "index_bytes",
     "write_long",
+    "WHOLE",
+    "part_bytes",
 ]
 
-# CRC-64-AVRO of the parsing canonical form of schemas/kv_event.avsc as of this encoder.
-SCHEMA_FINGERPRINT = 0x9C83AD1185576AC8
+# CRC-64-AVRO of the parsing canonical form of schemas/kv_event.avsc as of this encoder
+# (with the part/parts fields; schemas/history/kv_event.v1.avsc had 0x9C83AD1185576AC8).
+SCHEMA_FINGERPRINT = 0x7FDF2D347C8E62F3
 
 _LONG_MIN = -(1 << 63)
 _LONG_MAX = (1 << 63) - 1
@@ -295,6 +298,17 @@ def encode_event(event: Any) -> bytes:
 def envelope_head(pod: str, model: str, dp_rank: int, epoch: int, seq: int) -> bytes:
     """The fields before ``index``: pod, model, dp_rank, epoch, seq."""
     return _string(pod) + _string(model) + write_long(dp_rank) + write_long(epoch) + write_long(seq)
+
+
+# The ``part`` and ``parts`` fields after ``event``: a record that holds a whole event.
+WHOLE = b"\x00\x02"
+
+
+def part_bytes(part: int, parts: int) -> bytes:
+    """The ``part`` and ``parts`` fields (a BlockStored split over several records)."""
+    if part == 0 and parts == 1:
+        return WHOLE
+    return write_long(part) + write_long(parts)
 
 
 def envelope_tail(ts: float, batch_extra: dict[str, bytes]) -> bytes:

@@ -10,6 +10,8 @@ order, ask for a report. Per stream (pod, dp_rank), in partition order:
 * per epoch, every batch seq from the opening ``next_seq`` (0 after PublisherRestarted) up
   to the highest seq seen (including a later PublisherRestarted's ``last_seq``) is accounted
   exactly once: by its events (indices 0..n-1, contiguous) or by one EventsLost range.
+  A BlockStored split over several records (envelope ``part`` 0..parts-1, in order, nothing
+  between them) is one event;
   A seq neither delivered nor lost is a *hole*; delivered and lost, or lost twice, is a
   *violation*; event seqs go non-decreasing (EventsLost ranges may come in any order);
 * a record whose (epoch, seq, index) was already seen, or a marker identical to an earlier
@@ -36,6 +38,7 @@ from typing import Any
 
 from bridge.cliargs import add_kafka_args, kafka_target, record_codec
 from bridge.config import ConfigError
+from bridge.events import BlockStored
 from bridge.jsonview import event_to_json
 from bridge.markers import (
     KAFKA_REFUSED,
@@ -48,6 +51,7 @@ from bridge.markers import (
     StreamStarted,
 )
 from bridge.records import Record
+from bridge.split import PartJoiner
 
 __all__ = [
     "CheckReport",
@@ -370,6 +374,8 @@ class _Stream:
         self.current: int | None = None
         self.removed = False  # PodRemoved seen and no epoch opened since
         self.seen_markers: set[tuple[int, int, Marker]] = set()
+        # A BlockStored split over records being read: (epoch, seq, index, next part, parts).
+        self.split: tuple[int, int, int, int, int] | None = None
 
     def violation(self, msg: str) -> None:
         r = self.report
@@ -465,12 +471,55 @@ class _Stream:
             return
         self.lost.setdefault(e, []).append((m.from_seq, m.to_seq, m.reason))
 
-    def event(self, e: int, seq: int, index: int) -> None:
+    def unfinished(self) -> str | None:
+        """The violation of a split event whose parts stopped short, if one is being read."""
+        if self.split is None:
+            return None
+        e, seq, index, got, parts = self.split
+        return (
+            f"epoch {e} seq {seq} index {index}: a BlockStored split into {parts} records, "
+            f"but only parts 0..{got - 1} are there"
+        )
+
+    def end_split(self) -> None:
+        msg = self.unfinished()
+        if msg is not None:
+            self.violation(msg)
+            self.split = None
+
+    def part(self, e: int, seq: int, index: int, part: int, parts: int, stored: bool) -> None:
+        """A record of a BlockStored split over ``parts`` records: one event, its parts in
+        order (0..parts-1) and nothing between them."""
+        where = f"epoch {e} seq {seq} index {index}"
+        if not stored or not 0 <= part < parts:
+            what = "" if stored else " on a record that is not a BlockStored"
+            self.violation(f"{where}: part {part} of {parts}{what}")
+            return
+        pending = self.split
+        if part == 0:
+            self.end_split()
+            if self.event(e, seq, index):
+                self.split = (e, seq, index, 1, parts)
+            return
+        if pending is not None and pending[:3] == (e, seq, index):
+            if pending[3:] == (part, parts):
+                self.split = None if part + 1 == parts else (e, seq, index, part + 1, parts)
+                return
+        else:
+            ep = self.epochs.get(e)
+            if ep is not None and ep.batches.get(seq) > index:  # the event was read before
+                self.duplicate(f"{where} part {part}")
+                return
+        self.end_split()
+        self.violation(f"{where}: part {part} of {parts} without the parts before it")
+
+    def event(self, e: int, seq: int, index: int) -> bool:
+        """One event record (a split event's first part); False if it is a duplicate."""
         ep = self.epochs.get(e)
         have = 0 if ep is None else ep.batches.get(seq)
         if index < have:
             self.duplicate(f"epoch {e} seq {seq} index {index}")
-            return
+            return False
         if ep is None or e != self.current:
             ep = self._epoch_of(e, seq, "event")
         self.report.events += 1
@@ -502,6 +551,7 @@ class _Stream:
         ep.batches.set(seq, index + 1)
         if seq > ep.max_seq:
             ep.max_seq = seq
+        return True
 
     def build(self) -> StreamReport:
         """The report as of now (the stream's state is not changed)."""
@@ -517,6 +567,9 @@ class _Stream:
             violations_not_shown=base.violations_not_shown,
             duplicate_samples=list(base.duplicate_samples),
         )
+        unfinished = self.unfinished()
+        if unfinished is not None:
+            r.violations.append(unfinished)
         for e, ep in self.epochs.items():
             lost = self.lost.get(e, [])
             holes, problems = ep.account(lost)
@@ -571,8 +624,15 @@ class TopicChecker:
             if env.index < 0:
                 st.violation(f"epoch {e} seq {seq}: {type(ev).__name__} with index {env.index}")
                 return
+            if env.parts != 1 or env.part:
+                st.part(e, seq, env.index, env.part, env.parts, type(ev) is BlockStored)
+                return
+            if st.split is not None:
+                st.end_split()
             st.event(e, seq, env.index)
             return
+        if st.split is not None:
+            st.end_split()
         name = type(ev).__name__
         if env.index != -1:
             st.violation(f"epoch {e} seq {seq}: marker {name} with index {env.index} (not -1)")
@@ -665,6 +725,7 @@ class SentComparer:
         self._diffs: list[str] = []
         self._more = 0
         self._max = max_messages
+        self._joiner = PartJoiner()  # a split BlockStored is compared as the event it was
 
     def _note(self, msg: str) -> None:
         if len(self._diffs) < self._max:
@@ -677,6 +738,11 @@ class SentComparer:
         return f"{key[0]} rank {key[1]} incarnation {inc} ({where})"
 
     def add(self, record: Record) -> None:
+        if record.envelope.parts != 1:
+            joined = self._joiner.add(record)
+            if joined is None:
+                return
+            record = joined
         env, ev = record.envelope, record.event
         if isinstance(ev, PodRemoved):
             return

@@ -224,6 +224,14 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
         "drops and the bridge recovers by replay. Part of the memory bound (see README)",
     )
     g.add_argument(
+        "--max-message-bytes",
+        type=int,
+        metavar="N",
+        help="largest ZeroMQ message accepted from a pod (64 MiB); a larger one is counted "
+        "(kvbridge_decode_errors_total kind=oversized_frame), ZeroMQ drops the connection and "
+        "the bridge reconnects",
+    )
+    g.add_argument(
         "--shutdown-timeout",
         type=parse_duration,
         metavar="DURATION",
@@ -393,6 +401,7 @@ def resolve_run_config(
     cfg.commit_max_events = pick("commit_max_events", int)
     cfg.shutdown_timeout = pick("shutdown_timeout", parse_duration)
     cfg.rcvhwm = pick("rcvhwm", int)
+    cfg.max_message_bytes = pick("max_message_bytes", int)
     cfg.poll_timeout = pick("poll_timeout", parse_duration)
     validate(cfg, sources)
     if args.pod:

@@ -25,6 +25,9 @@ class PublisherRestarted:
 # EventsLost reason prefix for a batch some of whose records Kafka refused for good: its other
 # records may be in the log, so this marker may cover a partly delivered batch.
 KAFKA_REFUSED = "kafka refused a record"
+# EventsLost reason prefix for a batch with a record larger than the topic accepts that cannot
+# be split (anything but a BlockStored of several blocks); none of its records is written.
+RECORD_TOO_LARGE = "record too large for the topic"
 
 
 # to_seq of an EventsLost whose range has no known end: the tail of an epoch closed by a

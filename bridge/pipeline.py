@@ -5,15 +5,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bridge.events import UnknownEvent
-from bridge.markers import EventsLost, Marker
+from bridge.events import BlockStored, UnknownEvent
+from bridge.markers import RECORD_TOO_LARGE, EventsLost, Marker
 from bridge.metrics import BridgeMetrics, LagRecorder, StreamStats
 from bridge.ratelimit import RateLimitedLog
 from bridge.records import Envelope, RecordCodec
 from bridge.sink import KafkaSink
+from bridge.split import fit_parts
 from bridge.vllm.decoder import DecodeError, decode_batch
 
 log = logging.getLogger(__name__)
@@ -137,9 +138,35 @@ class Pipeline:
         events = batch.events
         position = (epoch, seq, payload)
         if events:
-            values = self.codec.encode_batch(
-                stream.pod, stream.model, stream.dp_rank, epoch, seq, batch.ts, batch.extra, events
-            )
+            try:
+                values = self.codec.encode_batch(
+                    stream.pod,
+                    stream.model,
+                    stream.dp_rank,
+                    epoch,
+                    seq,
+                    batch.ts,
+                    batch.extra,
+                    events,
+                )
+                budget = self.sink.value_budget(stream.topic, stream.key)
+                if max(map(len, values)) > budget:
+                    values = self._fit(stream, epoch, seq, batch.ts, batch.extra, events, values)
+            except Exception as exc:  # a bug or a value the encoder cannot write: not a hole
+                self.metrics.internal_errors.labels(stream.pod).inc()
+                log.exception(
+                    "pod %s rank %d seq %d: internal error encoding the batch; written as "
+                    "EventsLost, continuing",
+                    stream.pod,
+                    stream.dp_rank,
+                    seq,
+                )
+                reason = f"internal error encoding the batch: {type(exc).__name__}: {exc}"
+                self.marker(stream, epoch, seq, EventsLost(seq, seq, reason[:500]))
+                return
+            if isinstance(values, str):  # a record too large that cannot be split
+                self.marker(stream, epoch, seq, EventsLost(seq, seq, values))
+                return
             by_type: dict[type, int] = {}
             for t in map(type, events):
                 by_type[t] = by_type.get(t, 0) + 1
@@ -169,6 +196,91 @@ class Pipeline:
             self.produced += n
         stream.delivered = position
         st.last_seq = seq
+
+    def _fit(
+        self,
+        stream: StreamInfo,
+        epoch: int,
+        seq: int,
+        ts: float,
+        batch_extra: dict[str, bytes],
+        events: list[Any],
+        values: list[bytes],
+    ) -> list[bytes] | str:
+        """``values`` with each BlockStored too large for one record split into parts
+        (:mod:`bridge.split`), or, if a record is too large and cannot be split, the reason
+        the batch is written as EventsLost."""
+        budget = self.sink.value_budget(stream.topic, stream.key)
+        out: list[bytes] = []
+        for i, (event, value) in enumerate(zip(events, values, strict=True)):
+            if len(value) <= budget:
+                out.append(value)
+                continue
+            env = Envelope(
+                stream.pod, stream.model, stream.dp_rank, epoch, seq, i, ts, batch_extra, 0, 2
+            )
+            parts = None
+            if type(event) is BlockStored:
+                parts = fit_parts(event, self._sizer(env), budget)
+            if parts is None:
+                return self._too_large(stream, seq, i, event, len(value))
+            n = len(parts)
+            for k, part in enumerate(parts):
+                out.append(self.codec.encode(replace(env, part=k, parts=n), part))
+            self.bad_input.warning(
+                stream.pod,
+                "split",
+                "rank %d seq %d: BlockStored %d (%d blocks, %d bytes) over the %d bytes a "
+                "record may have: written as %d records",
+                stream.dp_rank,
+                seq,
+                i,
+                len(event.block_hashes),
+                len(value),
+                budget,
+                n,
+            )
+        return out
+
+    def _sizer(self, env: Envelope) -> Callable[[Any], int]:
+        encode = self.codec.encode
+        return lambda event: len(encode(env, event))
+
+    def _too_large(self, stream: StreamInfo, seq: int, index: int, event: Any, size: int) -> str:
+        """Count and log a record that cannot be written; returns the EventsLost reason."""
+        limit, topic_max, client_max = self.sink.record_limit(stream.topic)
+        topic = stream.topic or self.sink.topic
+        if type(event) is BlockStored:
+            why = (
+                "one of its blocks alone is too large"
+                if len(event.block_hashes) > 1
+                else "a BlockStored of one block cannot be split"
+            )
+        else:
+            why = f"a {type(event).__name__} cannot be split"
+        self.metrics.decode_errors.labels(stream.pod, "oversized_record").inc()
+        self.bad_input.warning(
+            stream.pod,
+            "oversized_record",
+            "rank %d seq %d: event %d (%s) is %d bytes, over the %d bytes a record of topic %s "
+            "may have (max.message.bytes %d, producer message.max.bytes %d) and %s; the batch "
+            "is written as EventsLost. Raise the topic's max.message.bytes (and "
+            "--kafka-property message.max.bytes) to keep such events",
+            stream.dp_rank,
+            seq,
+            index,
+            type(event).__name__,
+            size,
+            limit,
+            topic,
+            topic_max,
+            client_max,
+            why,
+        )
+        return (
+            f"{RECORD_TOO_LARGE}: event {index} ({type(event).__name__}) is {size} bytes > "
+            f"max.message.bytes {limit} of topic {topic}; {why}"
+        )[:500]
 
     def _on_failed_only(self, err: Any, msg: Any) -> None:
         """Exactly-once: the last record of a batch failed (the commit fails too): report it."""

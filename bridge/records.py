@@ -41,6 +41,15 @@ def schema_dir() -> Path:
     raise FileNotFoundError(f"kv_event.avsc not found next to {here}; reinstall kvbridge")
 
 
+@cache
+def previous_schemas() -> tuple[Any, ...]:
+    """Earlier versions of the record schema (``schemas/history/``), parsed: records they
+    wrote are read with the current schema (new fields take their defaults)."""
+    history = schema_dir() / "history"
+    paths = sorted(history.glob("kv_event.v*.avsc")) if history.is_dir() else []
+    return tuple(parse_schema(json.loads(p.read_text())) for p in paths)
+
+
 _EMPTY = 0xC15D213AA4D7A795
 
 
@@ -76,6 +85,9 @@ class Envelope:
     index: int
     ts: float
     batch_extra: dict[str, bytes] = field(default_factory=dict)
+    # A BlockStored split over several records (bridge/split.py): this record's part, of parts.
+    part: int = 0
+    parts: int = 1
 
 
 @dataclass(slots=True)
@@ -189,6 +201,9 @@ class RecordCodec:
         if header is not None:
             self.header = header
         self._readers: dict[bytes, Any] = {self.fingerprint.to_bytes(8, "little"): self.schema}
+        for old in previous_schemas():  # records written by earlier versions of the schema
+            fp = crc64_avro(to_parsing_canonical_form(old).encode()).to_bytes(8, "little")
+            self._readers.setdefault(fp, old)
 
     @cached_property
     def _fast(self) -> bool:
@@ -208,6 +223,7 @@ class RecordCodec:
                 avro_encode.index_bytes(envelope.index),
                 avro_encode.envelope_tail(envelope.ts, envelope.batch_extra),
                 avro_encode.encode_event(event),
+                avro_encode.part_bytes(envelope.part, envelope.parts),
             )
         )
 
@@ -236,13 +252,14 @@ class RecordCodec:
         get = avro_encode.EVENT_ENCODERS.get
         slow = avro_encode.encode_event  # subclasses; TypeError for what is not an event
         index = avro_encode.INDEX
+        whole = avro_encode.WHOLE
         if len(events) <= len(index):
             return [
-                b"".join((head, i, tail, get(type(e), slow)(e)))
+                b"".join((head, i, tail, get(type(e), slow)(e), whole))
                 for i, e in zip(index, events, strict=False)
             ]
         return [
-            b"".join((head, avro_encode.index_bytes(i), tail, slow(e)))
+            b"".join((head, avro_encode.index_bytes(i), tail, slow(e), whole))
             for i, e in enumerate(events)
         ]
 
@@ -259,6 +276,8 @@ class RecordCodec:
             "ts": envelope.ts,
             "batch_extra": envelope.batch_extra,
             "event": event_to_avro(event),
+            "part": envelope.part,
+            "parts": envelope.parts,
         }
         buf = io.BytesIO()
         buf.write(self.header)

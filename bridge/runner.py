@@ -32,7 +32,7 @@ from bridge.records import RecordCodec, schema_dir
 from bridge.replaylimit import ReplayLimiter
 from bridge.sequencer import SequencerConfig, payload_digest
 from bridge.sharding import shard_of
-from bridge.sink import Fenced, KafkaSink, ensure_topic
+from bridge.sink import Fenced, KafkaSink, ensure_topic, topic_max_message_bytes
 from bridge.subscriber import ReconnectPolicy, SocketRegistry, StreamSubscriber
 
 log = logging.getLogger(__name__)
@@ -125,8 +125,11 @@ class Bridge:
         """Kafka refused a record for good: write that batch as lost, once, so it is not silent."""
         pod = (key or b"?").decode(errors="replace")
         self.metrics.produce_errors.labels(pod).inc()
-        if value is None or self.exactly_once or self.sink.fatal is not None:
-            # Exactly-once: the transaction aborts and the streams rewind, nothing is lost.
+        if value is None or self.sink.fatal is not None:
+            return
+        if self.exactly_once and not self.sink.refused_locally:
+            # Exactly-once: the transaction aborts and the streams rewind, nothing is lost
+            # (a record produce() refused outright never entered it: written as lost).
             return
         try:
             env = self.codec.decode(value).envelope
@@ -169,6 +172,18 @@ class Bridge:
                 partitions=c.topic_partitions,
                 replication=c.topic_replication,
                 overrides=_admin_props(c.kafka),
+            )
+            limit = topic_max_message_bytes(c.bootstrap_servers, topic, _admin_props(c.kafka))
+            self.sink.set_topic_limit(topic, limit)
+            self.sink.fit_batches(self.sink.record_limit(topic)[1])
+            log.info(
+                "topic %s: records up to %d bytes (max.message.bytes %s, producer "
+                "message.max.bytes %d); a larger BlockStored is split, anything else larger "
+                "is written as EventsLost",
+                topic,
+                self.sink.record_limit(topic)[0],
+                "unknown" if limit is None else limit,
+                self.sink.client_limit,
             )
             registry = getattr(self.codec, "registry", None)
             if registry is not None and "{" in c.topic:

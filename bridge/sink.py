@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,35 @@ _FENCED_CODES = {
 }
 
 DeliveryFailed = Callable[[bytes | None, bytes | None, KafkaError], None]
+
+# librdkafka's message.max.bytes default, and the broker's max.message.bytes default.
+CLIENT_MAX_MESSAGE_BYTES = 1_000_000
+BROKER_MAX_MESSAGE_BYTES = 1_048_588
+
+
+class _Unsent:
+    """What a delivery callback is given for a record produce() refused outright (e.g.
+    MSG_SIZE_TOO_LARGE): the record, as a delivery report's message would give it."""
+
+    __slots__ = ("_key", "_partition", "_topic", "_value")
+
+    def __init__(self, topic: str, key: bytes, value: bytes | None, partition: int) -> None:
+        self._topic, self._key, self._value, self._partition = topic, key, value, partition
+
+    def topic(self) -> str:
+        return self._topic
+
+    def key(self) -> bytes:
+        return self._key
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return -1
 
 
 class Fenced(RuntimeError):
@@ -74,11 +103,17 @@ class KafkaSink:
         self.side_topics: set[str] = set()  # e.g. checkpoints: not counted by on_success
         self.transactional_id = transactional_id
         self.fatal: KafkaError | None = None
+        self._conf = conf
         self._producer = Producer(conf)
         self._on_failure = on_failure
         self._on_success = on_success
         self.delivered = 0
         self.failed = 0
+        # Largest record the producer sends (librdkafka's message.max.bytes), and per topic
+        # its max.message.bytes as described at start (:meth:`set_topic_limit`).
+        self.client_limit = int(conf.get("message.max.bytes", CLIENT_MAX_MESSAGE_BYTES))
+        self.topic_limits: dict[str, int] = {}
+        self.refused_locally = False  # set while on_failure runs for a produce() refusal
 
     def _on_client_error(self, err: KafkaError) -> None:
         if err.fatal():
@@ -164,6 +199,49 @@ class KafkaSink:
     def abort(self, timeout: float = 60.0) -> None:
         self._producer.abort_transaction(timeout)
         self._producer.begin_transaction()
+
+    def set_topic_limit(self, topic: str, max_message_bytes: int | None) -> None:
+        """Record ``topic``'s max.message.bytes (None: not known, the broker default)."""
+        self.topic_limits[topic] = max_message_bytes or BROKER_MAX_MESSAGE_BYTES
+
+    def record_limit(self, topic: str | None) -> tuple[int, int, int]:
+        """(limit, topic's max.message.bytes, producer's message.max.bytes): a record whose
+        key and value exceed ``limit`` bytes cannot be written to ``topic``."""
+        t = topic or self.topic
+        topic_max = self.topic_limits.get(t, BROKER_MAX_MESSAGE_BYTES)
+        return min(topic_max, self.client_limit), topic_max, self.client_limit
+
+    def fit_batches(self, topic_limit: int) -> None:
+        """Keep librdkafka's batches (``batch.size``, uncompressed) within ``topic_limit``, the
+        smallest max.message.bytes of the topics written: a larger batch of small records is
+        refused by the broker as a whole. Rebuilds the producer, so only before the first
+        record; later (a topic made for a discovered pod) it can only warn."""
+        size = int(self._conf.get("batch.size", CLIENT_MAX_MESSAGE_BYTES))
+        wanted = max(1024, topic_limit - 1024 - topic_limit // 250)
+        if size <= wanted:
+            return
+        if self.delivered or self.failed or len(self._producer):
+            log.warning(
+                "a topic accepts record batches of at most %d bytes but the producer batches "
+                "up to batch.size=%d; batches over the limit are refused and written as "
+                "EventsLost: set --kafka-property batch.size=%d",
+                topic_limit,
+                size,
+                wanted,
+            )
+            return
+        log.info("producer batch.size %d (a topic accepts at most %d bytes)", wanted, topic_limit)
+        self._conf["batch.size"] = wanted
+        old, self._producer = self._producer, Producer(self._conf)
+        close = getattr(old, "close", None)
+        if close is not None:
+            close()
+
+    def value_budget(self, topic: str | None, key: bytes) -> int:
+        """The largest value (bytes) written with ``key``: :meth:`record_limit` less the key,
+        the record and batch framing (~100 bytes) and lz4's worst-case growth (1/255)."""
+        limit = self.record_limit(topic)[0]
+        return limit - len(key) - 160 - limit // 250
 
     def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
         if err is None:
@@ -252,7 +330,20 @@ class KafkaSink:
                 self.check_fatal()
             except KafkaException as exc:
                 self._raise_if_fatal(exc)
-                raise
+                err = exc.args[0] if exc.args else None
+                if not isinstance(err, KafkaError):
+                    raise
+                # Refused outright (e.g. MSG_SIZE_TOO_LARGE): never retried, reported as a
+                # failed delivery of this record, so its batch is written as lost.
+                self._refused(err, _Unsent(topic, key, value, partition), cb)
+                return
+
+    def _refused(self, err: KafkaError, msg: _Unsent, cb: Callable[..., None] | None) -> None:
+        self.refused_locally = True
+        try:
+            (cb or self._on_delivery)(err, msg)
+        finally:
+            self.refused_locally = False
 
     def partition_count(self, topic: str, timeout: float = 2.0) -> int | None:
         """``topic``'s current partition count from a metadata request (None: not known now,
@@ -286,6 +377,33 @@ class KafkaSink:
     def flush(self, timeout: float) -> int:
         """Wait for outstanding records; returns how many are still not acknowledged."""
         return self._serve(timeout, flush=True)
+
+
+def topic_max_message_bytes(
+    bootstrap_servers: str,
+    topic: str,
+    overrides: dict[str, Any] | None = None,
+    timeout: float = 10.0,
+) -> int | None:
+    """``topic``'s effective max.message.bytes (its own or the broker's default), described
+    with the AdminClient; None if the broker did not say."""
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers, **(overrides or {})})
+    res = ConfigResource(ResourceType.TOPIC, topic)
+    try:
+        configs = admin.describe_configs([res], request_timeout=timeout)[res].result(timeout)
+    except KafkaException as exc:
+        log.warning(
+            "cannot describe topic %s's configuration (%s); assuming max.message.bytes %d",
+            topic,
+            exc.args[0].str() if exc.args else exc,
+            BROKER_MAX_MESSAGE_BYTES,
+        )
+        return None
+    entry = configs.get("max.message.bytes")
+    try:
+        return int(entry.value) if entry is not None and entry.value is not None else None
+    except ValueError:
+        return None
 
 
 def ensure_topic(

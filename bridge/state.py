@@ -11,8 +11,10 @@ resident block hashes, each with the parent hash BlockStored gave for it. Rules:
 * EventsLost marks the stream *uncertain*: what the lost batches did is unknown. A later
   AllBlocksCleared, or a restart marker, makes it certain again;
 * PodRemoved forgets every stream of the pod;
-* an event record at or before the stream's last applied (epoch, seq, index) is a
-  duplicate (at-least-once delivery, or an overlap after a snapshot) and is skipped.
+* an event record at or before the stream's last applied (epoch, seq, index, part) is a
+  duplicate (at-least-once delivery, or an overlap after a snapshot) and is skipped. The
+  parts of a BlockStored split over several records (``bridge.split``) are BlockStored
+  events of their own, applied in turn.
 
 Prefix queries use vLLM's 64-bit keys (:func:`bridge.events.key64`) and cost O(len(keys))
 per stream and tier, whatever the number of resident blocks. An 8-byte hash (vLLM's default
@@ -57,6 +59,7 @@ class StreamState:
     # and are looked up in the tiers themselves. Maintained by store/remove/clear.
     index: dict[str | None, dict[bytes, int]] = field(default_factory=dict)
     last_index: int = -1  # index of the last applied event within batch last_seq
+    last_part: int = 0  # part of that event (a BlockStored split over records), 0 if whole
     cleared_at: int = -1  # seq of the last AllBlocksCleared in this epoch
     lost_to: int = -1  # highest seq reported lost in this epoch
 
@@ -70,6 +73,7 @@ class StreamState:
         self.uncertain = False
         self.last_seq = None
         self.last_index = -1
+        self.last_part = 0
         self.cleared_at = -1
         self.lost_to = -1
 
@@ -130,7 +134,7 @@ class CacheState:
             if (
                 st.epoch == env.epoch
                 and st.last_seq is not None
-                and (env.seq, env.index) <= (st.last_seq, st.last_index)
+                and (env.seq, env.index, env.part) <= (st.last_seq, st.last_index, st.last_part)
             ):
                 self.duplicates += 1
                 return
@@ -147,6 +151,7 @@ class CacheState:
             st.epoch = env.epoch
             st.last_seq = env.seq
             st.last_index = env.index
+            st.last_part = env.part
             return
         self.applied += 1
         self.markers[type(ev).__name__] += 1
@@ -262,6 +267,7 @@ class CacheState:
                     "epoch": st.epoch,
                     "last_seq": st.last_seq,
                     "last_index": st.last_index,
+                    "last_part": st.last_part,
                     "uncertain": st.uncertain,
                     "lost_batches": st.lost_batches,
                     "cleared_at": st.cleared_at,
@@ -321,6 +327,7 @@ class CacheState:
                     uncertain=bool(s["uncertain"]),
                     lost_batches=int(s["lost_batches"]),
                     last_index=int(s.get("last_index", -1)),
+                    last_part=int(s.get("last_part", 0)),
                     cleared_at=int(s.get("cleared_at", -1)),
                     lost_to=int(s.get("lost_to", -1)),
                 )

@@ -125,6 +125,9 @@ class StreamSubscriber:
         self.connected = False
         self.reconnect_at: float | None = None
         self.reconnect_attempts = 0
+        # Disconnected and libzmq did not try to reconnect: it gave the endpoint up after a
+        # protocol error, which after a handshake means a message over MAXMSGSIZE.
+        self.gave_up = False
         self._synced: tuple[int, ...] = (0,) * 7
         self.sub: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
@@ -148,7 +151,10 @@ class StreamSubscriber:
         sub.setsockopt(zmq.RECONNECT_IVL, 200)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        self.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.monitor = sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+        )
+        self.gave_up = False
         if "[" in self.pub_endpoint:  # tcp://[fd00::1a]:5557: IPv6 is off by default
             sub.setsockopt(zmq.IPV6, 1)
         sub.connect(self.pub_endpoint)
@@ -211,8 +217,11 @@ class StreamSubscriber:
                     self.pub_endpoint,
                 )
                 self._apply(self.sequencer.on_connect(now), now)
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self.gave_up = False  # an ordinary disconnect: libzmq is reconnecting
             elif event == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
+                self.gave_up = True
                 self.reconnect_at = now + self._backoff()
                 log.warning(
                     "pod %s rank %d: disconnected from %s; reconnecting",
@@ -344,6 +353,8 @@ class StreamSubscriber:
             self.connected = False
             self.reconnect_at = now
         if self.reconnect_at is not None and now >= self.reconnect_at:
+            if self.gave_up:
+                self._oversized_frame()
             self.reconnect_attempts += 1
             log.warning(
                 "pod %s rank %d: recreating the socket to %s (attempt %d)",
@@ -365,6 +376,22 @@ class StreamSubscriber:
                 self._apply(self.sequencer.on_connect(now), now)
         if self.replay_waiting is None:
             self._apply(self.sequencer.on_tick(now), now)
+
+    def _oversized_frame(self) -> None:
+        """libzmq dropped the connection without reconnecting: a message over the size limit."""
+        self.gave_up = False
+        self.metrics.decode_errors.labels(self.info.pod, "oversized_frame").inc()
+        self.bad_input.warning(
+            self.info.pod,
+            "oversized_frame",
+            "rank %d: a message from %s was over the ZeroMQ size limit (%d bytes) and ZeroMQ "
+            "dropped the connection; reconnecting, the batch is recovered by replay or "
+            "written as EventsLost. Raise --max-message-bytes if the pod's batches are that "
+            "large (--max-message-bytes, KVBRIDGE_MAX_MESSAGE_BYTES)",
+            self.info.dp_rank,
+            self.pub_endpoint,
+            self.max_message_bytes,
+        )
 
     def next_deadline(self) -> float | None:
         """The earliest timer: reconnect, silence, or the sequencer's (not while queued)."""

@@ -605,23 +605,30 @@ def test_sigterm_flushes_and_checkpoints(kafka_bootstrap, make_topic, tmp_path, 
 
 
 def test_a_record_kafka_refuses_becomes_events_lost(kafka_bootstrap, make_topic):
-    """A record the broker refuses for good is written as EventsLost for its batch, never a hole."""
+    """A record the broker refuses for good is written as EventsLost for its batch, never a hole.
+
+    The bridge sizes records by the topic's max.message.bytes as described at start; lowering
+    it while the bridge runs makes the broker refuse records the bridge thought fit."""
     from bridge_util import metric, running_bridge
+    from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
     from bridge.config import PodConfig
     from bridge.markers import EventsLost
 
-    # Records over 600 bytes are refused by the topic; the markers that replace them are smaller.
-    topic = make_topic(partitions=1, config={"max.message.bytes": "600"})
+    topic = make_topic(partitions=1)
     spec = PodSpec(
-        name="big", release="0.33.0", rate=100, batches=40, seed=5, wait_for_subscriber=True
+        name="big", release="0.33.0", rate=100, batches=400, seed=5, wait_for_subscriber=True
     )
     with SimulatedFleet(spec) as fleet:
         pods = [PodConfig("big", "m", fleet.pods[0].pub, fleet.pods[0].replay)]
         # One record per produce request, so the broker judges each record on its own size.
         one_by_one = {"batch.num.messages": "1", "compression.type": "none"}
         with running_bridge(kafka_bootstrap, topic, pods, kafka=one_by_one) as bridge:
-            fleet.wait_done(timeout=30)
+            # From now on records over 600 bytes are refused; the markers replacing them fit.
+            admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+            res = ConfigResource(ResourceType.TOPIC, topic, {"max.message.bytes": "600"})
+            admin.alter_configs([res])[res].result(30)
+            fleet.wait_done(timeout=60)
             wait_for(
                 lambda: metric(bridge, "kvbridge_produce_errors_total", pod="big") > 0,
                 30,

@@ -96,6 +96,8 @@ def datum(env: Envelope, event: Any) -> dict[str, Any]:
         "ts": env.ts,
         "batch_extra": env.batch_extra,
         "event": event_to_avro(event),
+        "part": env.part,
+        "parts": env.parts,
     }
 
 
