@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 
 from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent
-from bridge.markers import EventsLost, PodRemoved, PublisherRestarted, StreamStarted
+from bridge.markers import EmptyBatch, EventsLost, PodRemoved, PublisherRestarted, StreamStarted
 
 __all__ = [
     "INDEX",
@@ -39,8 +39,9 @@ __all__ = [
 ]
 
 # CRC-64-AVRO of the parsing canonical form of schemas/kv_event.avsc as of this encoder
-# (with the part/parts fields; schemas/history/kv_event.v1.avsc had 0x9C83AD1185576AC8).
-SCHEMA_FINGERPRINT = 0x7FDF2D347C8E62F3
+# (v2: the part/parts fields and the EmptyBatch marker; schemas/history/kv_event.v1.avsc had
+# 0x9C83AD1185576AC8).
+SCHEMA_FINGERPRINT = 0xC013B2B0F155537B
 
 _LONG_MIN = -(1 << 63)
 _LONG_MAX = (1 << 63) - 1
@@ -272,6 +273,10 @@ def _removed_pod(e: PodRemoved) -> bytes:
     return b"\x0e" + _string(e.reason)
 
 
+def _empty(e: EmptyBatch) -> bytes:
+    return b"\x10"
+
+
 EVENT_ENCODERS: dict[type, Callable[[Any], bytes]] = {
     BlockStored: _stored,
     BlockRemoved: _removed,
@@ -281,6 +286,7 @@ EVENT_ENCODERS: dict[type, Callable[[Any], bytes]] = {
     PublisherRestarted: _restarted,
     EventsLost: _lost,
     PodRemoved: _removed_pod,
+    EmptyBatch: _empty,
 }
 
 

@@ -44,6 +44,7 @@ from bridge.markers import (
     KAFKA_REFUSED,
     MARKER_TYPES,
     TAIL_END,
+    EmptyBatch,
     EventsLost,
     Marker,
     PodRemoved,
@@ -325,6 +326,9 @@ class _Batches:
         return out[::-1]
 
 
+_EMPTY = "\x00empty batch"  # the "reason" of an EmptyBatch among an epoch's accounted ranges
+
+
 class _Epoch:
     __slots__ = ("epoch", "start", "opened", "batches", "cur_seq", "max_seq", "must_reach")
 
@@ -464,6 +468,14 @@ class _Stream:
         self.current = e
         self.removed = False
 
+    def empty_batch(self, e: int, seq: int) -> None:
+        """Batch ``seq`` held no events: accounted like a one-seq range, counted as a batch."""
+        ep = self._epoch_of(e, seq, "EmptyBatch")
+        if seq < ep.max_seq:
+            self.violation(f"epoch {e}: EmptyBatch at seq {seq} arrives after seq {ep.max_seq}")
+        ep.max_seq = max(ep.max_seq, seq)
+        self.lost.setdefault(e, []).append((seq, seq, _EMPTY))
+
     def lost_range(self, e: int, seq: int, m: EventsLost) -> None:
         self._epoch_of(e, seq, "EventsLost")
         if m.from_seq > m.to_seq:
@@ -581,6 +593,9 @@ class _Stream:
                     r.violations_not_shown += 1
             r.batches += len(ep.batches)
             for lo, hi, reason in lost:
+                if reason is _EMPTY:
+                    r.batches += 1
+                    continue
                 r.lost_ranges.append((e, lo, hi, reason))
                 if hi == TAIL_END:
                     r.unknown_tails += 1
@@ -646,6 +661,8 @@ class TopicChecker:
             st.open(e, ev)
         elif isinstance(ev, EventsLost):
             st.lost_range(e, seq, ev)
+        elif isinstance(ev, EmptyBatch):
+            st.empty_batch(e, seq)
         elif isinstance(ev, PodRemoved):
             for other in self._by_pod[env.pod]:
                 other.close()
@@ -671,7 +688,7 @@ class SentLogError(ValueError):
 class _SentBatch:
     sent: str
     events: list[dict[str, Any]]
-    seen: int = 0  # events of it found in the topic (indices 0..seen-1)
+    seen: int = 0  # events of it found in the topic (indices 0..seen-1; 1 for an EmptyBatch)
 
 
 def _normal(value: Any) -> Any:
@@ -753,6 +770,18 @@ class SentComparer:
             inc = incs[env.epoch] = len(incs)
         if isinstance(ev, EventsLost):
             self._lost.setdefault((key, env.epoch), []).append((ev.from_seq, ev.to_seq))
+            return
+        if isinstance(ev, EmptyBatch):
+            batch = self._sent.get(key, {}).get(inc, {}).get(env.seq)
+            if batch is None:
+                self._unknown.setdefault((key, inc), set()).add(env.seq)
+            elif batch.events:
+                where = f"{self._label(key, inc, env.epoch)} seq {env.seq}"
+                self._note(
+                    f"{where}: topic has EmptyBatch; the batch had {len(batch.events)} events"
+                )
+            else:
+                batch.seen = 1
             return
         if isinstance(ev, MARKER_TYPES) or env.index < 0:
             return

@@ -53,5 +53,10 @@ class PodRemoved:
     reason: str
 
 
-Marker = StreamStarted | PublisherRestarted | EventsLost | PodRemoved
-MARKER_TYPES = (StreamStarted, PublisherRestarted, EventsLost, PodRemoved)
+@dataclass(slots=True, frozen=True)
+class EmptyBatch:
+    """Batch ``seq`` (the envelope's) held no events: written so that the seq is accounted."""
+
+
+Marker = StreamStarted | PublisherRestarted | EventsLost | PodRemoved | EmptyBatch
+MARKER_TYPES = (StreamStarted, PublisherRestarted, EventsLost, PodRemoved, EmptyBatch)

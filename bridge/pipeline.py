@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bridge.events import BlockStored, UnknownEvent
-from bridge.markers import RECORD_TOO_LARGE, EventsLost, Marker
+from bridge.markers import RECORD_TOO_LARGE, EmptyBatch, EventsLost, Marker
 from bridge.metrics import BridgeMetrics, LagRecorder, StreamStats
 from bridge.ratelimit import RateLimitedLog
 from bridge.records import Envelope, RecordCodec
@@ -194,6 +194,8 @@ class Pipeline:
                     partition=stream.partition,
                 )
             self.produced += n
+        else:  # no event record names this seq: a marker accounts it (the checker needs it)
+            self.marker(stream, epoch, seq, EmptyBatch(), position)
         stream.delivered = position
         st.last_seq = seq
 
@@ -341,7 +343,16 @@ class Pipeline:
                 out[t] -= 1
         return out
 
-    def marker(self, stream: StreamInfo, epoch: int, seq: int, marker: Marker) -> None:
+    def marker(
+        self,
+        stream: StreamInfo,
+        epoch: int,
+        seq: int,
+        marker: Marker,
+        position: Position | None = None,
+    ) -> None:
+        """Write ``marker`` at ``seq``; an EventsLost (or ``position``, the batch an EmptyBatch
+        stands for) moves the stream's checkpoint position when acknowledged."""
         env = Envelope(stream.pod, stream.model, stream.dp_rank, epoch, seq, -1, time.time())
         self.metrics.markers_out.labels(stream.pod, type(marker).__name__).inc()
         if isinstance(marker, EventsLost) and marker.open_ended:
@@ -371,15 +382,15 @@ class Pipeline:
                 marker.reason,
             )
         else:
-            log.info("pod %s rank %d epoch %d: %s", stream.pod, stream.dp_rank, epoch, marker)
+            level = logging.DEBUG if isinstance(marker, EmptyBatch) else logging.INFO
+            log.log(level, "pod %s rank %d epoch %d: %s", stream.pod, stream.dp_rank, epoch, marker)
         value = self.codec.encode(env, marker)
         self.produced += 1
         st = stream.stats or self.stats(stream)
         if isinstance(marker, EventsLost):
-            position: Position | None = (epoch, marker.to_seq, None)
+            position = (epoch, marker.to_seq, None)
+        if position is not None:
             stream.delivered = position
-        else:
-            position = None
         if not self.track_acks:
             self._uncommitted.append((st, {}, 1, None))
             self.sink.produce_batch(

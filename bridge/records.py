@@ -21,7 +21,14 @@ from fastavro.schema import parse_schema, to_parsing_canonical_form
 
 from bridge import avro_encode
 from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent, VllmEvent
-from bridge.markers import EventsLost, Marker, PodRemoved, PublisherRestarted, StreamStarted
+from bridge.markers import (
+    EmptyBatch,
+    EventsLost,
+    Marker,
+    PodRemoved,
+    PublisherRestarted,
+    StreamStarted,
+)
 
 SCHEMA_NAMESPACE = "io.kvbridge.v1"
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
@@ -156,6 +163,8 @@ def event_to_avro(event: VllmEvent | Marker) -> tuple[str, dict[str, Any]]:
         return _full("EventsLost"), d
     if isinstance(event, PodRemoved):
         return _full("PodRemoved"), {"reason": event.reason}
+    if isinstance(event, EmptyBatch):
+        return _full("EmptyBatch"), {}
     raise TypeError(f"not an event or marker: {type(event).__name__}")
 
 
@@ -182,6 +191,7 @@ _SIMPLE_TYPES: dict[str, type] = {
         PublisherRestarted,
         EventsLost,
         PodRemoved,
+        EmptyBatch,
     )
 }
 

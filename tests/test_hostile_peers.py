@@ -1,0 +1,201 @@
+"""Hostile peers on real parts (issue: nothing lost silently, no pod takes another down):
+empty batches, a seq that jumps by 10^15, and a replay ROUTER whose replies are not answers
+to the request. Each bad thing is contained to its pod, written as what it is, and the
+counters stay meaningful; a well-behaved neighbour stays complete."""
+
+from __future__ import annotations
+
+import threading
+
+import msgpack
+import pytest
+import zmq
+from bridge_util import metric, read_all, running_bridge
+from e2e_util import wait_for
+from test_bad_input import HostilePod, valid
+
+from bridge.checker import check_topic, compare_with_sent
+from bridge.config import PodConfig
+from bridge.events import EventBatch
+from bridge.markers import EmptyBatch, EventsLost, PublisherRestarted, StreamStarted
+from bridge.simulator.pod import PodSpec, SimulatedFleet
+from bridge.vllm.encoder import encode_batch
+from bridge.vllm.framing import (
+    live_frames,
+    parse_replay_request,
+    replay_end_frames,
+    replay_reply_frames,
+)
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(120)]
+
+
+def lost_total(bridge, pod: str) -> float:
+    samples = bridge.metrics.registry.collect()
+    return sum(
+        s.value
+        for fam in samples
+        if fam.name == "kvbridge_batches_lost"
+        for s in fam.samples
+        if s.name.endswith("_total") and s.labels.get("pod") == pod
+    )
+
+
+class EvilRouter:
+    """A replay ROUTER that answers every request with one batch at seq ``reply_seq`` (far
+    beyond anything published) and the end marker."""
+
+    def __init__(self, ctx: zmq.Context, reply_seq: int) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.reply_seq = reply_seq
+        self.requests: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            identity, start = parse_replay_request(self.sock.recv_multipart())
+            self.requests.append(start)
+            self.sock.send_multipart(
+                [identity, *replay_reply_frames("0.33.0", b"", self.reply_seq, b"\x00")]
+            )
+            self.sock.send_multipart([identity, *replay_end_frames("0.33.0")])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(linger=0)
+
+
+@pytest.fixture
+def good_fleet():
+    spec = PodSpec(name="good", release="0.33.0", rate=200, batches=60, seed=7,
+                   wait_for_subscriber=True)  # fmt: skip
+    with SimulatedFleet(spec) as fleet:
+        yield fleet
+
+
+def good_pod(fleet) -> PodConfig:
+    g = fleet["good"]
+    return PodConfig("good", "m", g.pub, g.replay)
+
+
+def assert_good_complete(bootstrap: str, topic: str, fleet) -> None:
+    fleet.wait_done(timeout=30)
+    sent = fleet.sent()
+
+    def good_agrees() -> bool:
+        mine = [r for r in read_all(bootstrap, topic) if r.envelope.pod == "good"]
+        return not compare_with_sent(mine, sent)
+
+    wait_for(good_agrees, 30, "good's batches")
+    report = check_topic(bootstrap, topic, pods=["good"])
+    assert report.ok and report.lost_batches == 0, report.details()
+
+
+def test_empty_batches_are_accounted_not_holes(kafka_bootstrap, make_topic, good_fleet):
+    topic = make_topic(partitions=2)
+    ctx = zmq.Context()
+    evil = HostilePod(ctx)
+    pods = [PodConfig("empty", "m", evil.endpoint), good_pod(good_fleet)]
+    try:
+        with running_bridge(kafka_bootstrap, topic, pods) as bridge:
+            evil.wait_subscribed()
+            evil.send(live_frames(b"", 0, valid(0)))
+            evil.send(live_frames(b"", 1, msgpack.packb([1767225601.0, [], 0])))  # array form
+            evil.send(live_frames(b"", 2, encode_batch(EventBatch(1767225602.0, [], 0), "0.33.0")))
+            evil.send(live_frames(b"", 3, valid(3)))
+            wait_for(
+                lambda: metric(bridge, "kvbridge_last_seq", pod="empty", dp_rank="0") == 3,
+                30,
+                "the empty pod's seq 3",
+            )
+            assert_good_complete(kafka_bootstrap, topic, good_fleet)
+    finally:
+        evil.sock.close(linger=0)
+        ctx.term()
+    mine = [r for r in read_all(kafka_bootstrap, topic) if r.envelope.pod == "empty"]
+    empties = [r.envelope.seq for r in mine if isinstance(r.event, EmptyBatch)]
+    assert empties == [1, 2]
+    report = check_topic(kafka_bootstrap, topic, pods=["empty"])
+    assert report.ok and not report.holes, report.details()
+    assert report.batches == 4 and report.events == 2
+
+
+def test_a_seq_jump_of_10_15_is_a_new_stream_not_a_loss(kafka_bootstrap, make_topic, good_fleet):
+    topic = make_topic(partitions=2)
+    ctx = zmq.Context()
+    evil = HostilePod(ctx)
+    jump = 1 + 10**15
+    pods = [PodConfig("jumper", "m", evil.endpoint), good_pod(good_fleet)]
+    try:
+        with running_bridge(kafka_bootstrap, topic, pods) as bridge:
+            evil.wait_subscribed()
+            for seq in (0, 1, jump, jump + 1):
+                evil.send(live_frames(b"", seq, valid(seq % 1000)))
+            wait_for(
+                lambda: metric(bridge, "kvbridge_last_seq", pod="jumper", dp_rank="0") == jump + 1,
+                30,
+                "the jumper's seq after the jump",
+            )
+            assert lost_total(bridge, "jumper") == 0  # not 10^15 batches lost
+            assert_good_complete(kafka_bootstrap, topic, good_fleet)
+    finally:
+        evil.sock.close(linger=0)
+        ctx.term()
+    mine = [r for r in read_all(kafka_bootstrap, topic) if r.envelope.pod == "jumper"]
+    markers = [r.event for r in mine if r.envelope.index < 0]
+    assert [type(m) for m in markers] == [StreamStarted, EventsLost, StreamStarted]
+    assert markers[1].open_ended and markers[1].from_seq == 2 and markers[1].reason
+    assert markers[2].next_seq == jump
+    assert mine[-1].envelope.seq == jump + 1 and mine[-1].envelope.epoch > mine[0].envelope.epoch
+    report = check_topic(kafka_bootstrap, topic, pods=["jumper"])
+    assert report.ok and report.lost_batches == 0, report.details()
+
+
+def test_replies_beyond_the_request_are_refused(kafka_bootstrap, make_topic, good_fleet):
+    topic = make_topic(partitions=2)
+    ctx = zmq.Context()
+    evil = HostilePod(ctx)
+    router = EvilRouter(ctx, reply_seq=10**6)
+    pods = [PodConfig("liar", "m", evil.endpoint, router.endpoint), good_pod(good_fleet)]
+    try:
+        with running_bridge(
+            kafka_bootstrap, topic, pods, replay_timeout=0.5, first_contact="live"
+        ) as bridge:
+            evil.wait_subscribed()
+            for seq in (*range(0, 35), 36):  # 35 never arrives: a gap
+                evil.send(live_frames(b"", seq, valid(seq)))
+            wait_for(lambda: len(router.requests) >= 3, 30, "three replay attempts")
+            wait_for(
+                lambda: metric(bridge, "kvbridge_last_seq", pod="liar", dp_rank="0") == 36,
+                30,
+                "seq 36 once the replay gave up",
+            )
+            evil.send(live_frames(b"", 37, valid(37)))
+            wait_for(
+                lambda: metric(bridge, "kvbridge_last_seq", pod="liar", dp_rank="0") == 37,
+                30,
+                "seq 37",
+            )
+            assert lost_total(bridge, "liar") == 1  # seq 35 only, not ~2,000,000
+            assert metric(bridge, "kvbridge_restarts_total", pod="liar") == 0
+            assert_good_complete(kafka_bootstrap, topic, good_fleet)
+    finally:
+        router.close()
+        evil.sock.close(linger=0)
+        ctx.term()
+    assert set(router.requests) == {35}
+    mine = [r for r in read_all(kafka_bootstrap, topic) if r.envelope.pod == "liar"]
+    assert len({r.envelope.epoch for r in mine}) == 1
+    assert not any(isinstance(r.event, PublisherRestarted) for r in mine)
+    lost = [r.event for r in mine if isinstance(r.event, EventsLost)]
+    assert [(e.from_seq, e.to_seq) for e in lost] == [(35, 35)]
+    report = check_topic(kafka_bootstrap, topic, pods=["liar"])
+    assert report.ok, report.details()
