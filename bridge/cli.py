@@ -12,7 +12,14 @@ from dataclasses import fields
 from typing import Any
 
 from bridge import __version__
-from bridge.cliargs import add_kafka_args, add_listen_args, kv_pairs, resolve_listen
+from bridge.cliargs import (
+    Parser,
+    add_kafka_args,
+    add_listen_args,
+    duration,
+    kv_pairs,
+    resolve_listen,
+)
 from bridge.config import (
     AIBRIX_ALIASES,
     KAFKA_ENV_PREFIX,
@@ -59,7 +66,7 @@ def _log_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvbridge",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -125,13 +132,13 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     run.add_argument(
         "--replay-timeout",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="silence that fails a replay attempt (2s; alias AIBRIX_ZMQ_REPLAY_TIMEOUT)",
     )
     run.add_argument(
         "--replay-deadline",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="longest one replay attempt may take (30s)",
     )
@@ -146,13 +153,13 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     run.add_argument(
         "--reconnect-initial",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="first reconnect backoff (1s; alias AIBRIX_ZMQ_RECONNECT_INTERVAL)",
     )
     run.add_argument(
         "--reconnect-max",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="largest reconnect backoff (30s)",
     )
@@ -164,7 +171,7 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     run.add_argument(
         "--silence-timeout",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="reconnect a stream after this long without a message (0 = never, the default: "
         "idle engines are legitimately silent; heartbeats catch dead peers)",
@@ -178,7 +185,7 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     g.add_argument(
         "--checkpoint-interval",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="how often acknowledged positions are checkpointed (1s)",
     )
@@ -206,7 +213,7 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     g.add_argument(
         "--commit-interval",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="exactly-once: commit at least this often (100ms)",
     )
@@ -225,20 +232,20 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     g.add_argument(
         "--shutdown-timeout",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="on SIGTERM, how long to flush, checkpoint and commit (30s)",
     )
     run.add_argument(
         "--idle-probe",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="after this long without a message, ask the pod's replay socket once for newer "
         "batches, so a dropped last batch is not missed while the engine is idle (2s; 0 = off)",
     )
     run.add_argument(
         "--poll-timeout",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="longest the event loop waits between checks (100ms; alias AIBRIX_ZMQ_POLL_TIMEOUT)",
     )

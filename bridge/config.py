@@ -249,6 +249,10 @@ def parse_duration(text: str | float | int) -> float:
         try:
             value = float(t)
         except ValueError:
+            if t.startswith("-") and _DURATION.findall(t[1:]):
+                raise ValueError(
+                    f"{text!r}: a duration cannot be negative (give e.g. 5s)"
+                ) from None
             parts = _DURATION.findall(t)
             if not parts or "".join(a + b for a, b in parts) != t:
                 raise ValueError(

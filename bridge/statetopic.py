@@ -504,8 +504,7 @@ class StateSyncer:
 
 def configure_parser(sub: Any) -> None:
     """Add `kvbridge state-sync` to the subcommands."""
-    from bridge.cliargs import add_kafka_args
-    from bridge.config import parse_duration
+    from bridge.cliargs import add_kafka_args, duration
 
     p = sub.add_parser(
         "state-sync",
@@ -530,14 +529,14 @@ def configure_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--commit-interval",
-        type=parse_duration,
+        type=duration,
         default=0.2,
         metavar="DURATION",
         help="how often a transaction is committed (200ms)",
     )
     p.add_argument(
         "--partition-check-interval",
-        type=parse_duration,
+        type=duration,
         default=30.0,
         metavar="DURATION",
         help="how often to check kv-events for added partitions, which are then read from "
