@@ -85,7 +85,11 @@ def parse_pod(spec: str | dict[str, Any]) -> PodConfig:
                     f"--pod {spec!r}: {part!r} is not key=value; expected "
                     "name=NAME,model=MODEL,pub=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp=N]"
                 )
-            items[key.strip()] = value.strip()
+            key = key.strip()
+            same = {"dp", "dp_size"} if key in ("dp", "dp_size") else {key}
+            if same & set(items):
+                raise ConfigError(f"--pod {spec!r}: {key}= is given twice; give each key once")
+            items[key] = value.strip()
     else:
         items = dict(spec)
     unknown = set(items) - _POD_KEYS

@@ -56,6 +56,9 @@ def test_pod_spec_and_dp_ports():
         ("name=a,pub=tcp://x:1,colour=red", "unknown key"),
         ("name=a,pub", "not key=value"),
         ("name=a,pub=ipc:///tmp/x,dp=2", "data-parallel ranks > 0"),
+        ("name=a,model=m,pub=tcp://x:1,name=b", "name= is given twice"),
+        ("name=a,pub=tcp://x:1,pub=tcp://y:1", "pub= is given twice"),
+        ("name=a,pub=tcp://x:1,dp=2,dp_size=3", "dp_size= is given twice"),
     ],
 )
 def test_bad_pod_specs_say_what_to_do(spec, needle):
