@@ -406,7 +406,7 @@ def resolve_run_config(
     cfg.pods = [parse_pod(s) for s in specs]
     cfg.listen = pick("listen")
     if cfg.listen is not None:
-        check_endpoint("listen", cfg.listen)
+        check_endpoint("listen", cfg.listen, bind=True)
     listeners = [p for p in cfg.pods if p.pub is None]
     if listeners and cfg.listen is None:
         raise ConfigError(

@@ -55,12 +55,24 @@ def offset_port(endpoint: str, rank: int) -> str:
     return f"tcp://{host}:{parts.port + rank}"
 
 
-def check_endpoint(setting: str, endpoint: str) -> None:
+def check_endpoint(setting: str, endpoint: str, bind: bool = False) -> None:
+    """A ZeroMQ endpoint the bridge connects to (or binds, with ``bind``)."""
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise ConfigError(
             f"{setting}={endpoint!r}: expected a ZeroMQ endpoint such as tcp://10.0.0.5:5557"
         )
     if endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://") :].rpartition(":")[0]
+        if not bind and host == "*":
+            port = endpoint.rpartition(":")[2]
+            raise ConfigError(
+                f"{setting}={endpoint!r} is a bind address (vLLM binds its endpoint when it "
+                f"contains '*'); give the address the bridge connects to, with the pod's host "
+                f"or IP, e.g. tcp://10.0.0.5:{port} (pods that connect to the bridge instead: "
+                f"--listen tcp://*:{port} and topic= in place of pub=)"
+            )
+        if any(c.isspace() for c in host):
+            raise ConfigError(f"{setting}={endpoint!r}: the host contains whitespace")
         try:
             port = urlsplit(endpoint).port
         except ValueError:

@@ -664,7 +664,8 @@ class Bridge:
             self.pipeline.flush_metrics()  # exact at the end: what was acked while flushing
             self.streams.clear()
             self.sink.close()
-            self.ctx.term()
+            # destroy, not term: a socket left open by a failed open() would block term()
+            self.ctx.destroy(linger=0)
 
     # -- health (/healthz, /readyz; called from the HTTP server's threads) ---------------------
     LIVENESS_TIMEOUT = 30.0  # the event loop must have turned this recently

@@ -414,3 +414,39 @@ def test_config_check_invalid_exits_2_with_the_message(capsys):
 )
 def test_secret_property_names(name, secret):
     assert is_secret(name) is secret
+
+
+@pytest.mark.parametrize("command", [["run"], ["config", "check"]])
+@pytest.mark.parametrize("key", ["pub", "replay"])
+def test_a_bind_address_in_a_pod_spec_is_refused_saying_what_to_give(capsys, command, key):
+    """vLLM's documented endpoint tcp://*:45999 is where vLLM binds, not where to connect."""
+    spec = "name=a,model=m,pub=tcp://*:45999"
+    if key == "replay":
+        spec = "name=a,model=m,pub=tcp://10.0.0.5:5557,replay=tcp://*:45999"
+    assert main([*command, "--metrics-port", "0", "--pod", spec]) == 2
+    err = capsys.readouterr().err
+    assert f"pod a {key}='tcp://*:45999' is a bind address" in err
+    assert "e.g. tcp://10.0.0.5:45999" in err and "--listen tcp://*:45999" in err
+
+
+@pytest.mark.timeout(120)
+def test_a_bridge_whose_start_fails_closes_without_hanging(kafka_bootstrap, kafka_topic):
+    """open() fails on a socket it made (connect refused by libzmq); close() still returns."""
+    import zmq
+
+    from bridge.config import BridgeConfig, PodConfig
+    from bridge.runner import Bridge
+
+    pods = [PodConfig("a", "m", "tcp://*:45999", "tcp://127.0.0.1:45998")]
+    bridge = Bridge(
+        BridgeConfig(
+            bootstrap_servers=kafka_bootstrap, topic=kafka_topic, pods=pods, metrics_port=0
+        )
+    )
+    try:
+        bridge.open()
+    except zmq.ZMQError:
+        bridge.close()  # as `kvbridge run` does; before the fix: blocked for good in term()
+    else:
+        pytest.fail("open() connected to a bind address")
+    assert bridge.ctx.closed
