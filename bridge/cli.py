@@ -403,7 +403,8 @@ def resolve_run_config(
     else:
         specs = list(file.get("pods", []))
         sources["pods"] = file_source if specs else "default"
-    cfg.pods = [parse_pod(s) for s in specs]
+    pod_notes: list[str] = []
+    cfg.pods = [parse_pod(s, pod_notes) for s in specs]
     cfg.listen = pick("listen")
     if cfg.listen is not None:
         check_endpoint("listen", cfg.listen, bind=True)
@@ -456,8 +457,10 @@ def resolve_run_config(
     if args.config:
         check_file_keys(file, args.config, set(sources))
     unknown = unknown_env(dict(environ), {f.name for f in fields(BridgeConfig)} | {"config"})
-    for var in unknown:
-        note = f"{var} is not a kvbridge setting and is ignored (a typo?)"
+    for note in [
+        *pod_notes,
+        *(f"{var} is not a kvbridge setting and is ignored (a typo?)" for var in unknown),
+    ]:
         log.warning("%s", note)
         if notes is not None:
             notes.append(note)

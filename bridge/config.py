@@ -86,8 +86,11 @@ def check_endpoint(setting: str, endpoint: str, bind: bool = False) -> None:
 _POD_KEYS = {"name", "model", "pub", "replay", "dp", "dp_size", "topic"}
 
 
-def parse_pod(spec: str | dict[str, Any]) -> PodConfig:
-    """A pod from ``name=a,model=m,pub=tcp://h:5557,replay=tcp://h:5558,dp=2`` or a TOML table."""
+def parse_pod(spec: str | dict[str, Any], notes: list[str] | None = None) -> PodConfig:
+    """A pod from ``name=a,model=m,pub=tcp://h:5557,replay=tcp://h:5558,dp=2`` or a TOML table.
+
+    ``notes`` (if given) receives warnings about a pod that works but is likely not what was
+    meant (no model=, data-parallel ranks whose ports collide)."""
     if isinstance(spec, str):
         items: dict[str, Any] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -139,7 +142,36 @@ def parse_pod(spec: str | dict[str, Any]) -> PodConfig:
     for rank in range(dp_size):
         pod.pub_endpoint(rank)
         pod.replay_endpoint(rank)
+    if notes is not None:
+        if not items.get("model"):
+            notes.append(
+                f"pod {pod.name}: no model= given, so its records say model 'unknown'; add "
+                "model=<the name vLLM serves>"
+            )
+        notes.extend(_dp_port_collisions(pod))
     return pod
+
+
+def _dp_port_collisions(pod: PodConfig) -> list[str]:
+    """Rank r uses port + r on both endpoints: with the PUB and replay ports closer than
+    dp_size on one host, one rank's PUB is another rank's replay port."""
+    if pod.dp_size < 2 or pod.pub is None or pod.replay is None:
+        return []
+    pub, replay = urlsplit(pod.pub), urlsplit(pod.replay)
+    if pub.scheme != "tcp" or pub.hostname != replay.hostname:
+        return []
+    assert pub.port is not None and replay.port is not None
+    if abs(replay.port - pub.port) >= pod.dp_size:
+        return []
+    low, high = sorted((pub.port, replay.port))
+    what = "PUB" if high == pub.port else "replay"
+    return [
+        f"pod {pod.name}: with dp={pod.dp_size}, rank {high - low}'s "
+        f"{'replay' if what == 'PUB' else 'PUB'} port {high} is rank 0's {what} port "
+        f"(rank r uses port + r on both endpoints); keep the replay port >= PUB port + "
+        f"{pod.dp_size}, e.g. replay=tcp://{pub.hostname}:{pub.port + pod.dp_size}, and "
+        "vLLM's replay_endpoint to match"
+    ]
 
 
 _TOPIC_FIELDS = {"model", "pod"}

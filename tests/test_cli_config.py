@@ -450,3 +450,20 @@ def test_a_bridge_whose_start_fails_closes_without_hanging(kafka_bootstrap, kafk
     else:
         pytest.fail("open() connected to a bind address")
     assert bridge.ctx.closed
+
+
+def test_config_check_warns_of_dp_port_collisions_and_a_missing_model(capsys):
+    """README: keep the replay port >= PUB port + N; a pod without model= is 'unknown'."""
+    ok = "name=a,model=m,pub=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5559,dp=2"
+    clash = "name=b,model=m,pub=tcp://10.0.0.6:5557,replay=tcp://10.0.0.6:5558,dp=2"
+    anon = "name=c,pub=tcp://10.0.0.7:5557"
+    argv = ["config", "check", "--format", "json", "--metrics-port", "0"]
+    assert main([*argv, "--pod", ok, "--pod", clash, "--pod", anon]) == 0
+    warnings = json.loads(capsys.readouterr().out)["warnings"]
+    assert warnings == [
+        "pod b: with dp=2, rank 1's PUB port 5558 is rank 0's replay port (rank r uses port + r "
+        "on both endpoints); keep the replay port >= PUB port + 2, e.g. "
+        "replay=tcp://10.0.0.6:5559, and vLLM's replay_endpoint to match",
+        "pod c: no model= given, so its records say model 'unknown'; add model=<the name vLLM "
+        "serves>",
+    ]
