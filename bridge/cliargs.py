@@ -108,9 +108,9 @@ def add_listen_args(run: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_listen(cfg: BridgeConfig, pick: Callable[..., Any]) -> None:
+def resolve_listen(cfg: BridgeConfig, pick: Callable[..., Any], workers: int = 1) -> None:
     """Fill ``cfg``'s listen-discovery settings with ``pick(name, conv)`` (flag > env > file);
-    after ``listen`` and the shard settings are resolved."""
+    after ``listen`` and the shard settings are resolved (``workers``: run's --workers)."""
     from bridge.configcheck import boolean
     from bridge.listentopics import check_replay_template
 
@@ -131,9 +131,10 @@ def resolve_listen(cfg: BridgeConfig, pick: Callable[..., Any]) -> None:
             "listen_discover needs a listen socket: give --listen tcp://*:5557 (the address "
             "the vLLM pods' kv-events endpoint connects to)"
         )
-    if cfg.shard_count > 1:
+    if cfg.shard_count > 1 or workers > 1:
+        split = f"--workers {workers}" if workers > 1 else f"shard_count={cfg.shard_count}"
         raise ConfigError(
-            f"listen_discover with shard_count={cfg.shard_count}: a vLLM pod connects its PUB "
+            f"listen_discover with {split}: a vLLM pod connects its PUB "
             "to one address, so a replica receives the pods that connected to it, not the ones "
             "its shard owns; run one bridge (shard_count 1, --workers 1) per listen address"
         )

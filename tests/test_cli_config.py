@@ -467,3 +467,40 @@ def test_config_check_warns_of_dp_port_collisions_and_a_missing_model(capsys):
         "pod c: no model= given, so its records say model 'unknown'; add model=<the name vLLM "
         "serves>",
     ]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (
+            ["--workers", "2", "--listen-discover", "--listen", "tcp://*:5557"],
+            "listen_discover with --workers 2: a vLLM pod connects its PUB to one address",
+        ),
+        (["--pod", POD, "--workers", "0"], "--workers 0: must be a whole number >= 1"),
+        ([], "no pods to follow"),
+    ],
+)
+def test_config_check_refuses_what_run_refuses(capsys, argv, needle):
+    """One validation for both: `config check` exits 2 wherever `run` would."""
+    for command in (["run"], ["config", "check"]):
+        assert main([*command, "--metrics-port", "0", *argv]) == 2, command
+        assert needle in capsys.readouterr().err, command
+
+
+def test_every_bad_setting_is_reported_at_once(capsys, monkeypatch):
+    monkeypatch.setenv("KVBRIDGE_RCVHWM", "lots")
+    argv = ["--metrics-port", "0", "--reconnect-factor", "0.5", "--replay-attempts", "0"]
+    argv += ["--pod", "name=a,model=m,pub=tcp://*:5557", "--pod", POD, "--shard-index", "3"]
+    for command in (["run"], ["config", "check"]):
+        assert main([*command, *argv]) == 2
+        err = capsys.readouterr().err
+        assert "5 problems in the settings:" in err, err
+        for needle in (
+            "reconnect_factor=0.5 (from flag)",
+            "replay_attempts=0 (from flag)",
+            "rcvhwm='lots' (from env KVBRIDGE_RCVHWM)",
+            "pod a pub='tcp://*:5557' is a bind address",
+            "shard_index=3, shard_count=1",
+        ):
+            assert f"  - {needle}" in err, needle
+        assert "no pods to follow" not in err
