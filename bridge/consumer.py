@@ -294,10 +294,12 @@ class TopicReader:
                 )
             return lo, hi
         if offset > hi:
+            holds = "is empty" if lo == hi else f"holds offsets {lo}..{hi - 1}"
             log.warning(
-                "partition %d: offset %d is past the end (%d): was the topic recreated? "
-                "starting at the end",
+                "partition %d %s: offset %d is past its end; starting at the end (offset %d), "
+                "with the records written from now on",
                 p,
+                holds,
                 offset,
                 hi,
             )

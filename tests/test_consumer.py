@@ -178,6 +178,45 @@ def test_relative_times_and_durations_work_as_the_docs_write_them(kafka_bootstra
     assert got.returncode == 2 and "a duration cannot be negative" in got.stderr, got.stderr
 
 
+def test_an_offset_past_a_short_partitions_end_says_what_the_partition_holds(
+    kafka_bootstrap, topic, make_topic
+):
+    """A partition that is simply short (or empty) is no sign of a recreated topic."""
+    empty = make_topic(partitions=3)
+    got = run_cli(
+        [
+            "consume",
+            "--bootstrap-servers",
+            kafka_bootstrap,
+            "--topic",
+            empty,
+            "--from-offset",
+            "2:10",
+        ]
+    )
+    assert got.returncode == 0, got.stderr
+    assert (
+        "partition 2 is empty: offset 10 is past its end; starting at the end (offset 0)"
+        in got.stderr
+    )
+    assert "recreated" not in got.stderr
+    got = run_cli(
+        [
+            "consume",
+            "--bootstrap-servers",
+            kafka_bootstrap,
+            "--topic",
+            topic,
+            "--from-offset",
+            "1:10",
+        ]
+    )
+    assert got.returncode == 0, got.stderr
+    assert (
+        f"partition 1 holds offsets 0..{PER_PARTITION - 1}: offset 10 is past its end" in got.stderr
+    )
+
+
 def test_follow_ticks_while_idle_and_stops_on_request(kafka_bootstrap, topic):
     ticks: list[int] = []
     with TopicReader(kafka_bootstrap, topic) as r:
