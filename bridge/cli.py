@@ -124,7 +124,11 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     run.add_argument(
         "--metrics-port", type=int, help="Prometheus /metrics port (default 9400; 0 = off)"
     )
-    run.add_argument("--metrics-host", help="address for /metrics (default 0.0.0.0)")
+    run.add_argument(
+        "--metrics-host",
+        help="address for /metrics and the health checks: 127.0.0.1 (the default) serves this "
+        "host only, 0.0.0.0 every interface (the container image sets KVBRIDGE_METRICS_HOST)",
+    )
     run.add_argument(
         "--first-contact",
         choices=["replay", "live"],

@@ -229,7 +229,7 @@ class BridgeConfig:
     listen_max_pods: int = 1024
     listen_ranks: int = 1  # listen sockets bound: port..port+N-1 for DP ranks 0..N-1
     metrics_port: int = 9400  # 0 disables the HTTP endpoint
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"  # this host only; the container image sets 0.0.0.0
     first_contact: str = "replay"
     replay_timeout: float = 2.0
     replay_deadline: float = 30.0

@@ -504,3 +504,15 @@ def test_every_bad_setting_is_reported_at_once(capsys, monkeypatch):
         ):
             assert f"  - {needle}" in err, needle
         assert "no pods to follow" not in err
+
+
+def test_metrics_and_state_serve_listen_on_this_host_only_unless_told():
+    """One safe default for both HTTP servers; the container image opens the metrics port."""
+    from pathlib import Path
+
+    cfg = resolve(["--pod", POD])
+    assert cfg.metrics_host == "127.0.0.1"
+    assert build_parser().parse_args(["state", "--serve"]).host == cfg.metrics_host
+    dockerfile = (Path(__file__).parent.parent / "Dockerfile").read_text()
+    assert "KVBRIDGE_METRICS_HOST=0.0.0.0" in dockerfile
+    assert resolve(["--pod", POD], {"KVBRIDGE_METRICS_HOST": "0.0.0.0"}).metrics_host == "0.0.0.0"
