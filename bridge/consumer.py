@@ -42,6 +42,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
+from bridge.logsetup import librdkafka_logger
 from bridge.records import Record, RecordCodec, RecordError
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,7 @@ class TopicReader:
         conf.update(overrides or {})
         self.topic = topic
         self.group_id = group_id
+        conf.setdefault("logger", librdkafka_logger())
         self.consumer = Consumer(conf)
         self.codec = codec or RecordCodec()
         self.skipped = 0

@@ -16,6 +16,8 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from bridge.logsetup import librdkafka_logger
+
 log = logging.getLogger(__name__)
 
 # The bridge's defaults; anything here can be overridden by passing librdkafka properties.
@@ -74,6 +76,7 @@ class KafkaSink:
         self.side_topics: set[str] = set()  # e.g. checkpoints: not counted by on_success
         self.transactional_id = transactional_id
         self.fatal: KafkaError | None = None
+        conf.setdefault("logger", librdkafka_logger())
         self._producer = Producer(conf)
         self._on_failure = on_failure
         self._on_success = on_success
@@ -298,7 +301,11 @@ def ensure_topic(
     config: dict[str, str] | None = None,
 ) -> bool:
     """Create ``topic`` if it does not exist; True if created. Waits until it has leaders."""
-    conf = {"bootstrap.servers": bootstrap_servers, **(overrides or {})}
+    conf = {
+        "bootstrap.servers": bootstrap_servers,
+        "logger": librdkafka_logger(),
+        **(overrides or {}),
+    }
     admin = AdminClient(conf)
     deadline = time.monotonic() + timeout
     created = False

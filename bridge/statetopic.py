@@ -31,6 +31,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from bridge.consumer import records_of
+from bridge.logsetup import librdkafka_logger
 from bridge.records import Record, RecordCodec, RecordError
 from bridge.sink import ensure_topic
 from bridge.state import CacheState
@@ -56,6 +57,7 @@ def _consumer(bootstrap: str, overrides: dict[str, Any] | None, purpose: str) ->
         "isolation.level": "read_committed",
     }
     conf.update(overrides or {})
+    conf.setdefault("logger", librdkafka_logger())
     return Consumer(conf)
 
 
@@ -67,7 +69,9 @@ def ensure_state_topic(bootstrap: str, topic: str, overrides: dict[str, Any] | N
     created = ensure_topic(
         bootstrap, topic, partitions=1, overrides=overrides, config=STATE_TOPIC_CONFIG
     )
-    admin = AdminClient({"bootstrap.servers": bootstrap, **(overrides or {})})
+    admin = AdminClient(
+        {"bootstrap.servers": bootstrap, "logger": librdkafka_logger(), **(overrides or {})}
+    )
     md = admin.list_topics(topic, timeout=10).topics[topic]
     if len(md.partitions) != 1:
         raise RuntimeError(
@@ -362,6 +366,7 @@ class StateSyncer:
             "compression.type": "lz4",
         }
         conf.update(self.overrides)
+        conf.setdefault("logger", librdkafka_logger())
         self.producer = Producer(conf)
         try:
             # Aborts a crashed predecessor's open transaction, so the load below sees the end.

@@ -516,3 +516,26 @@ def test_metrics_and_state_serve_listen_on_this_host_only_unless_told():
     dockerfile = (Path(__file__).parent.parent / "Dockerfile").read_text()
     assert "KVBRIDGE_METRICS_HOST=0.0.0.0" in dockerfile
     assert resolve(["--pod", POD], {"KVBRIDGE_METRICS_HOST": "0.0.0.0"}).metrics_host == "0.0.0.0"
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens there once the socket is closed
+
+
+def test_librdkafka_logs_go_through_the_bridges_logging():
+    """No raw ``%3|...|FAIL|...`` lines from librdkafka on the terminal; at debug level they
+    are the ``kvbridge.librdkafka`` logger's."""
+    from e2e_util import run_cli
+
+    where = f"127.0.0.1:{_closed_port()}"
+    got = run_cli(["consume", "--bootstrap-servers", where, "--topic", "t"], timeout=60)
+    assert not [line for line in got.stderr.splitlines() if line.startswith("%")], got.stderr
+    got = run_cli(
+        ["consume", "--bootstrap-servers", where, "--topic", "t", "--log-level", "debug"], 60
+    )
+    assert not [line for line in got.stderr.splitlines() if line.startswith("%")]
+    assert "DEBUG   kvbridge.librdkafka: FAIL [rdkafka#consumer-1]" in got.stderr, got.stderr
