@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
+from confluent_kafka import KafkaException
+
 from bridge import __version__
 from bridge.cliargs import (
     Parser,
@@ -25,10 +27,12 @@ from bridge.config import (
     KAFKA_ENV_PREFIX,
     BridgeConfig,
     ConfigError,
+    KafkaUnreachable,
     check_endpoint,
     check_topic_template,
     env_kafka_properties,
     env_settings,
+    kafka_unreachable,
     load_toml,
     parse_duration,
     parse_pod,
@@ -641,6 +645,20 @@ def main(argv: list[str] | None = None) -> int:
             return (statetopic if args.command == "state-sync" else stateserve).run(args)
     except ConfigError as exc:
         print(f"kvbridge {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KafkaUnreachable as exc:
+        print(f"kvbridge {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KafkaException as exc:
+        if not kafka_unreachable(exc):
+            raise
+        where = getattr(args, "bootstrap_servers", None) or env_settings().get(
+            "bootstrap_servers", "localhost:9092"
+        )
+        print(
+            f"kvbridge {args.command}: {KafkaUnreachable(where, exc.args[0].str())}",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         return 130

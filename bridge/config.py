@@ -17,6 +17,30 @@ class ConfigError(ValueError):
     """A setting is invalid; the message names it and says what is accepted."""
 
 
+class KafkaUnreachable(RuntimeError):
+    """No Kafka broker answered at the configured address."""
+
+    def __init__(self, bootstrap_servers: str, detail: str) -> None:
+        super().__init__(
+            f"cannot reach Kafka at {bootstrap_servers} ({detail}): check --bootstrap-servers "
+            "(or KVBRIDGE_BOOTSTRAP_SERVERS), that the broker is running and that this host "
+            "can connect to that address"
+        )
+
+
+def kafka_unreachable(exc: BaseException) -> bool:
+    """Whether a librdkafka error means that no broker could be reached."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    if not isinstance(exc, KafkaException) or not exc.args:
+        return False
+    err = exc.args[0]
+    codes = (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE)
+    return isinstance(err, KafkaError) and (
+        err.code() in codes or (err.code() == KafkaError._TIMED_OUT and "metadata" in err.str())
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class PodConfig:
     """One vLLM pod: its PUB endpoint and optional replay ROUTER, for DP rank 0.

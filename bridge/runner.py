@@ -323,6 +323,7 @@ class Bridge:
                 ListenDiscovery(self, c.listen_max_pods, c.listen_replay).attach(self.listeners)
         for pod in mine:
             self._follow(pod)
+        self.sink.started = True  # from now on, Kafka outages are warned about as they happen
 
     def _follow(self, pod: PodConfig, fresh_epoch: bool = False, first_rank: int = 0) -> None:
         self.pods[pod.name] = pod

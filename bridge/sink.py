@@ -16,6 +16,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from bridge.config import KafkaUnreachable
 from bridge.logsetup import librdkafka_logger
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,9 @@ class KafkaSink:
         self.side_topics: set[str] = set()  # e.g. checkpoints: not counted by on_success
         self.transactional_id = transactional_id
         self.fatal: KafkaError | None = None
+        # Until the bridge has started, an unreachable broker is reported by the start-up
+        # check in one line (KafkaUnreachable), not by a warning per connection attempt.
+        self.started = False
         conf.setdefault("logger", librdkafka_logger())
         self._producer = Producer(conf)
         self._on_failure = on_failure
@@ -88,7 +92,8 @@ class KafkaSink:
             self.fatal = err
             log.error("kafka producer fatal error: %s", err)
         elif err.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN):
-            log.warning("kafka: %s (records wait in the producer queue)", err)
+            level = logging.WARNING if self.started else logging.DEBUG
+            log.log(level, "kafka: %s (records wait in the producer queue)", err)
         else:
             log.warning("kafka: %s", err)
 
@@ -312,10 +317,8 @@ def ensure_topic(
     try:
         md = admin.list_topics(timeout=timeout)
     except KafkaException as exc:
-        raise RuntimeError(
-            f"cannot reach Kafka at {bootstrap_servers}: {exc}. Check --bootstrap-servers and that "
-            "the broker is up"
-        ) from exc
+        detail = exc.args[0].str() if exc.args else str(exc)
+        raise KafkaUnreachable(bootstrap_servers, detail) from exc
     existing = md.topics.get(topic)
     if existing is not None and existing.error is None and len(existing.partitions) < partitions:
         log.warning(

@@ -539,3 +539,26 @@ def test_librdkafka_logs_go_through_the_bridges_logging():
     )
     assert not [line for line in got.stderr.splitlines() if line.startswith("%")]
     assert "DEBUG   kvbridge.librdkafka: FAIL [rdkafka#consumer-1]" in got.stderr, got.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["consume"],
+        ["check"],
+        ["replay"],
+        ["state"],
+        ["run", "--metrics-port", "0", "--pod", "name=a,model=m,pub=tcp://127.0.0.1:5"],
+    ],
+)
+def test_an_unreachable_broker_is_one_clear_line_and_exit_2(command):
+    from e2e_util import run_cli
+
+    where = f"127.0.0.1:{_closed_port()}"
+    got = run_cli([*command, "--bootstrap-servers", where], timeout=90)
+    assert got.returncode == 2, got.stderr
+    assert got.stderr.splitlines() == [
+        f"kvbridge {command[0]}: cannot reach Kafka at {where} (Failed to get metadata: Local: "
+        "Broker transport failure): check --bootstrap-servers (or KVBRIDGE_BOOTSTRAP_SERVERS), "
+        "that the broker is running and that this host can connect to that address"
+    ]
