@@ -31,8 +31,11 @@ RUN pip install ".[k8s]" \
 
 FROM python:3.11-slim
 
+# The bridge serves /metrics on 127.0.0.1 by default; in a container it must listen on every
+# interface for Prometheus and the probes (KVBRIDGE_METRICS_HOST, docs/operations.md).
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    KVBRIDGE_METRICS_HOST=0.0.0.0 \
     PATH=/opt/kvbridge/bin:$PATH
 
 COPY --from=build /opt/kvbridge /opt/kvbridge

@@ -19,6 +19,8 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from bridge.logsetup import librdkafka_logger
+
 log = logging.getLogger(__name__)
 
 StreamKey = tuple[str, int]
@@ -81,6 +83,7 @@ def load_checkpoints(
         "isolation.level": "read_committed",
         **(overrides or {}),
     }
+    conf.setdefault("logger", librdkafka_logger())
     consumer = Consumer(conf)
     out: dict[StreamKey, Checkpoint] = {}
     try:

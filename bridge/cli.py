@@ -11,17 +11,28 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
+from confluent_kafka import KafkaException
+
 from bridge import __version__
-from bridge.cliargs import add_kafka_args, add_listen_args, kv_pairs, resolve_listen
+from bridge.cliargs import (
+    Parser,
+    add_kafka_args,
+    add_listen_args,
+    duration,
+    kv_pairs,
+    resolve_listen,
+)
 from bridge.config import (
     AIBRIX_ALIASES,
     KAFKA_ENV_PREFIX,
     BridgeConfig,
     ConfigError,
+    KafkaUnreachable,
     check_endpoint,
     check_topic_template,
     env_kafka_properties,
     env_settings,
+    kafka_unreachable,
     load_toml,
     parse_duration,
     parse_pod,
@@ -59,7 +70,7 @@ def _log_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvbridge",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -117,7 +128,11 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     run.add_argument(
         "--metrics-port", type=int, help="Prometheus /metrics port (default 9400; 0 = off)"
     )
-    run.add_argument("--metrics-host", help="address for /metrics (default 0.0.0.0)")
+    run.add_argument(
+        "--metrics-host",
+        help="address for /metrics and the health checks: 127.0.0.1 (the default) serves this "
+        "host only, 0.0.0.0 every interface (the container image sets KVBRIDGE_METRICS_HOST)",
+    )
     run.add_argument(
         "--first-contact",
         choices=["replay", "live"],
@@ -125,13 +140,13 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     run.add_argument(
         "--replay-timeout",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="silence that fails a replay attempt (2s; alias AIBRIX_ZMQ_REPLAY_TIMEOUT)",
     )
     run.add_argument(
         "--replay-deadline",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="longest one replay attempt may take (30s)",
     )
@@ -146,13 +161,13 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     run.add_argument(
         "--reconnect-initial",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="first reconnect backoff (1s; alias AIBRIX_ZMQ_RECONNECT_INTERVAL)",
     )
     run.add_argument(
         "--reconnect-max",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="largest reconnect backoff (30s)",
     )
@@ -164,7 +179,7 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     run.add_argument(
         "--silence-timeout",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="reconnect a stream after this long without a message (0 = never, the default: "
         "idle engines are legitimately silent; heartbeats catch dead peers)",
@@ -178,7 +193,7 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     g.add_argument(
         "--checkpoint-interval",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="how often acknowledged positions are checkpointed (1s)",
     )
@@ -206,7 +221,7 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     g.add_argument(
         "--commit-interval",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="exactly-once: commit at least this often (100ms)",
     )
@@ -233,13 +248,13 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     g.add_argument(
         "--shutdown-timeout",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="on SIGTERM, how long to flush, checkpoint and commit (30s)",
     )
     run.add_argument(
         "--idle-probe",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="after this long without a message, ask the pod's replay socket once for newer "
         "batches, so a dropped last batch is not missed while the engine is idle (2s; 0 = off)",
@@ -253,7 +268,7 @@ SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
     )
     run.add_argument(
         "--poll-timeout",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="longest the event loop waits between checks (100ms; alias AIBRIX_ZMQ_POLL_TIMEOUT)",
     )
@@ -340,12 +355,15 @@ def resolve_run_config(
     environ: Mapping[str, str] | None = None,
     sources: dict[str, str] | None = None,
     notes: list[str] | None = None,
+    for_run: bool = False,
 ) -> BridgeConfig:
     """Flags win over KVBRIDGE_* env vars, which win over the TOML file, then the defaults.
 
     ``sources`` (if given) receives where each setting came from (``flag``, ``env NAME``,
     ``file PATH``, ``default``; librdkafka properties as ``kafka.<name>``); ``notes`` receives
-    warnings that do not stop the bridge (e.g. a KVBRIDGE_* variable that sets nothing)."""
+    warnings that do not stop the bridge (e.g. a KVBRIDGE_* variable that sets nothing).
+    ``for_run``: also what `run` needs to start (pods to follow, --workers), so that `run` and
+    `config check` refuse the same settings. One ConfigError lists every problem found."""
     environ = os.environ if environ is None else environ
     if not args.config and environ.get("KVBRIDGE_CONFIG"):
         args.config = environ["KVBRIDGE_CONFIG"]
@@ -356,6 +374,15 @@ def resolve_run_config(
     env = env_settings(dict(environ))
     cfg = BridgeConfig()
     sources = {} if sources is None else sources
+    problems: list[str] = []
+
+    def collect(check: Callable[[], Any]) -> Any:
+        """``check()``, or None with its ConfigError noted: every problem is reported."""
+        try:
+            return check()
+        except ConfigError as exc:
+            problems.append(str(exc))
+            return None
 
     def env_source(name: str) -> str:
         var = "KVBRIDGE_" + name.upper()
@@ -371,7 +398,11 @@ def resolve_run_config(
         for source, value in ((env_source(name), env.get(name)), (file_source, file.get(name))):
             if value is not None:
                 sources[name] = source
-                return convert(name, source, value, conv)
+                try:
+                    return convert(name, source, value, conv)
+                except ConfigError as exc:
+                    problems.append(str(exc))
+                    return getattr(cfg, name)
         sources[name] = "default"
         return getattr(cfg, name)
 
@@ -403,7 +434,7 @@ def resolve_run_config(
     cfg.rcvhwm = pick("rcvhwm", int)
     cfg.max_message_bytes = pick("max_message_bytes", int)
     cfg.poll_timeout = pick("poll_timeout", parse_duration)
-    validate(cfg, sources)
+    problems += validate(cfg, sources)
     if args.pod:
         specs: list[Any] = list(args.pod)
         sources["pods"] = "flag"
@@ -413,48 +444,67 @@ def resolve_run_config(
     else:
         specs = list(file.get("pods", []))
         sources["pods"] = file_source if specs else "default"
-    cfg.pods = [parse_pod(s) for s in specs]
+    pod_notes: list[str] = []
+    parsed = [collect(lambda spec=spec: parse_pod(spec, pod_notes)) for spec in specs]
+    cfg.pods = [p for p in parsed if p is not None]
     cfg.listen = pick("listen")
     if cfg.listen is not None:
-        check_endpoint("listen", cfg.listen)
+        collect(lambda: check_endpoint("listen", cfg.listen, bind=True))
     listeners = [p for p in cfg.pods if p.pub is None]
     if listeners and cfg.listen is None:
-        raise ConfigError(
+        problems.append(
             f"pod {listeners[0].name} has no pub= endpoint: give --listen tcp://*:PORT for pods "
             "that connect to the bridge, or pub=tcp://HOST:PORT for pods the bridge connects to"
         )
     topics = [p.topic for p in listeners]
     if len(set(topics)) != len(topics) or "" in topics:
-        raise ConfigError(
+        problems.append(
             "pods on the --listen socket are told apart by topic: each needs its own non-empty "
             "topic= (vLLM's kv-events-config topic, e.g. kv@pod-a@llama)"
         )
     names = [p.name for p in cfg.pods]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise ConfigError(f"pod names must be unique; repeated: {', '.join(dupes)}")
-    check_topic_template(cfg.topic)
+        problems.append(f"pod names must be unique; repeated: {', '.join(dupes)}")
+    collect(lambda: check_topic_template(cfg.topic))
     cfg.shard_count = pick("shard_count", int)
     cfg.shard_index = pick("shard_index", int)
     if cfg.shard_count < 1 or not 0 <= cfg.shard_index < cfg.shard_count:
-        raise ConfigError(
+        problems.append(
             f"shard_index={cfg.shard_index}, shard_count={cfg.shard_count}: the count must be "
             ">= 1 and the index in 0..count-1 (a StatefulSet's pod ordinal, with count = replicas)"
         )
+    workers = getattr(args, "workers", 1)
+    if workers < 1:
+        problems.append(f"--workers {workers}: must be a whole number >= 1")
     from bridge.discovery.setup import resolve_discovery
 
-    resolve_discovery(cfg, pick)
-    resolve_listen(cfg, pick)
+    collect(lambda: resolve_discovery(cfg, pick))
+    collect(lambda: resolve_listen(cfg, pick, workers))
+    if for_run and not specs and cfg.discovery == "static" and not cfg.listen_discover:
+        problems.append(
+            "no pods to follow: give --pod name=NAME,model=MODEL,pub=tcp://HOST:5557,"
+            "replay=tcp://HOST:5558 (repeatable), KVBRIDGE_PODS, or [[pods]] in --config, "
+            "or --discovery kubernetes|dns, or --listen with --listen-discover"
+        )
+    flag_props = collect(lambda: kv_pairs(args.kafka_property, "--kafka-property"))
     layers = (
         (file_source, {str(k): kafka_value(v) for k, v in file.get("kafka", {}).items()}),
         ("env", env_kafka_properties(dict(environ))),
-        ("flag", kv_pairs(args.kafka_property, "--kafka-property")),
+        ("flag", flag_props or {}),
     )
     cfg.schema_registry_url = pick("schema_registry_url")
     cfg.schema_registry = {str(k): str(v) for k, v in file.get("schema_registry", {}).items()}
     if "schema_registry" in file:
         sources["schema_registry"] = file_source  # a [schema_registry] table of client properties
-    sr_flags = kv_pairs(getattr(args, "schema_registry_property", []), "--schema-registry-property")
+    sr_flags = (
+        collect(
+            lambda: kv_pairs(
+                getattr(args, "schema_registry_property", []), "--schema-registry-property"
+            )
+        )
+        or {}
+    )
     cfg.schema_registry.update(sr_flags)
     sources.update({f"schema_registry.{k}": "flag" for k in sr_flags})
     cfg.kafka = {}
@@ -464,10 +514,18 @@ def resolve_run_config(
             env_var = KAFKA_ENV_PREFIX + k.upper().replace(".", "_")
             sources["kafka." + k] = "env " + env_var if where == "env" else where
     if args.config:
-        check_file_keys(file, args.config, set(sources))
+        collect(lambda: check_file_keys(file, args.config, set(sources)))
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(
+            f"{len(problems)} problems in the settings:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
     unknown = unknown_env(dict(environ), {f.name for f in fields(BridgeConfig)} | {"config"})
-    for var in unknown:
-        note = f"{var} is not a kvbridge setting and is ignored (a typo?)"
+    for note in [
+        *pod_notes,
+        *(f"{var} is not a kvbridge setting and is ignored (a typo?)" for var in unknown),
+    ]:
         log.warning("%s", note)
         if notes is not None:
             notes.append(note)
@@ -479,22 +537,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from bridge.sink import Fenced
 
     sources: dict[str, str] = {}
-    cfg = resolve_run_config(args, sources=sources)
+    cfg = resolve_run_config(args, sources=sources, for_run=True)
     for warning in check_kafka_properties(cfg.kafka, sources, cfg.exactly_once):
         log.warning("librdkafka: %s", warning)
-    if args.workers < 1:
-        raise ConfigError(f"--workers {args.workers}: must be >= 1")
     if args.workers > 1:
         from bridge.workers import supervise
 
         return supervise(
             args.argv, args.workers, cfg.shard_index, cfg.shard_count, cfg.metrics_port
-        )
-    if not cfg.pods and cfg.discovery == "static" and not cfg.listen_discover:
-        raise ConfigError(
-            "no pods to follow: give --pod name=NAME,model=MODEL,pub=tcp://HOST:5557,"
-            "replay=tcp://HOST:5558 (repeatable), KVBRIDGE_PODS, or [[pods]] in --config, "
-            "or --discovery kubernetes|dns, or --listen with --listen-discover"
         )
     bridge = Bridge(cfg)
     if cfg.metrics_port:
@@ -612,6 +662,20 @@ def main(argv: list[str] | None = None) -> int:
             return (statetopic if args.command == "state-sync" else stateserve).run(args)
     except ConfigError as exc:
         print(f"kvbridge {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KafkaUnreachable as exc:
+        print(f"kvbridge {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KafkaException as exc:
+        if not kafka_unreachable(exc):
+            raise
+        where = getattr(args, "bootstrap_servers", None) or env_settings().get(
+            "bootstrap_servers", "localhost:9092"
+        )
+        print(
+            f"kvbridge {args.command}: {KafkaUnreachable(where, exc.args[0].str())}",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         return 130

@@ -3,11 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from typing import Any
 
-from bridge.config import BridgeConfig, ConfigError, env_kafka_properties, env_settings
+from bridge.config import (
+    BridgeConfig,
+    ConfigError,
+    env_kafka_properties,
+    env_settings,
+    parse_duration,
+)
 from bridge.records import RecordCodec
+
+# A value that starts with "-" but is a number, a relative time or a duration (-10m, -1h30m,
+# -5s, -2.5): argparse takes it for the option's argument, as it does for -5 out of the box.
+_NEGATIVE_VALUE = re.compile(r"^-(\d+(\.\d*)?|\.\d+)([a-zµ]+((\d+(\.\d*)?|\.\d+)[a-zµ]+)*)?$")
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser that reads ``--from-timestamp -10m`` and ``--replay-timeout -5s`` as
+    an option with its value (plain argparse only does so for negative numbers such as -5)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE_VALUE
+
+
+def duration(text: str) -> float:
+    """argparse type of a duration flag: seconds from 2.5 or 100ms/5s/1m30s, with the reason
+    in argparse's error when the value is not one."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_kafka_args(p: argparse.ArgumentParser, topic_help: str = "topic of the events") -> None:
@@ -79,9 +108,9 @@ def add_listen_args(run: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_listen(cfg: BridgeConfig, pick: Callable[..., Any]) -> None:
+def resolve_listen(cfg: BridgeConfig, pick: Callable[..., Any], workers: int = 1) -> None:
     """Fill ``cfg``'s listen-discovery settings with ``pick(name, conv)`` (flag > env > file);
-    after ``listen`` and the shard settings are resolved."""
+    after ``listen`` and the shard settings are resolved (``workers``: run's --workers)."""
     from bridge.configcheck import boolean
     from bridge.listentopics import check_replay_template
 
@@ -102,9 +131,10 @@ def resolve_listen(cfg: BridgeConfig, pick: Callable[..., Any]) -> None:
             "listen_discover needs a listen socket: give --listen tcp://*:5557 (the address "
             "the vLLM pods' kv-events endpoint connects to)"
         )
-    if cfg.shard_count > 1:
+    if cfg.shard_count > 1 or workers > 1:
+        split = f"--workers {workers}" if workers > 1 else f"shard_count={cfg.shard_count}"
         raise ConfigError(
-            f"listen_discover with shard_count={cfg.shard_count}: a vLLM pod connects its PUB "
+            f"listen_discover with {split}: a vLLM pod connects its PUB "
             "to one address, so a replica receives the pods that connected to it, not the ones "
             "its shard owns; run one bridge (shard_count 1, --workers 1) per listen address"
         )

@@ -17,6 +17,30 @@ class ConfigError(ValueError):
     """A setting is invalid; the message names it and says what is accepted."""
 
 
+class KafkaUnreachable(RuntimeError):
+    """No Kafka broker answered at the configured address."""
+
+    def __init__(self, bootstrap_servers: str, detail: str) -> None:
+        super().__init__(
+            f"cannot reach Kafka at {bootstrap_servers} ({detail}): check --bootstrap-servers "
+            "(or KVBRIDGE_BOOTSTRAP_SERVERS), that the broker is running and that this host "
+            "can connect to that address"
+        )
+
+
+def kafka_unreachable(exc: BaseException) -> bool:
+    """Whether a librdkafka error means that no broker could be reached."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    if not isinstance(exc, KafkaException) or not exc.args:
+        return False
+    err = exc.args[0]
+    codes = (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE)
+    return isinstance(err, KafkaError) and (
+        err.code() in codes or (err.code() == KafkaError._TIMED_OUT and "metadata" in err.str())
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class PodConfig:
     """One vLLM pod: its PUB endpoint and optional replay ROUTER, for DP rank 0.
@@ -55,12 +79,24 @@ def offset_port(endpoint: str, rank: int) -> str:
     return f"tcp://{host}:{parts.port + rank}"
 
 
-def check_endpoint(setting: str, endpoint: str) -> None:
+def check_endpoint(setting: str, endpoint: str, bind: bool = False) -> None:
+    """A ZeroMQ endpoint the bridge connects to (or binds, with ``bind``)."""
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise ConfigError(
             f"{setting}={endpoint!r}: expected a ZeroMQ endpoint such as tcp://10.0.0.5:5557"
         )
     if endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://") :].rpartition(":")[0]
+        if not bind and host == "*":
+            port = endpoint.rpartition(":")[2]
+            raise ConfigError(
+                f"{setting}={endpoint!r} is a bind address (vLLM binds its endpoint when it "
+                f"contains '*'); give the address the bridge connects to, with the pod's host "
+                f"or IP, e.g. tcp://10.0.0.5:{port} (pods that connect to the bridge instead: "
+                f"--listen tcp://*:{port} and topic= in place of pub=)"
+            )
+        if any(c.isspace() for c in host):
+            raise ConfigError(f"{setting}={endpoint!r}: the host contains whitespace")
         try:
             port = urlsplit(endpoint).port
         except ValueError:
@@ -74,8 +110,11 @@ def check_endpoint(setting: str, endpoint: str) -> None:
 _POD_KEYS = {"name", "model", "pub", "replay", "dp", "dp_size", "topic"}
 
 
-def parse_pod(spec: str | dict[str, Any]) -> PodConfig:
-    """A pod from ``name=a,model=m,pub=tcp://h:5557,replay=tcp://h:5558,dp=2`` or a TOML table."""
+def parse_pod(spec: str | dict[str, Any], notes: list[str] | None = None) -> PodConfig:
+    """A pod from ``name=a,model=m,pub=tcp://h:5557,replay=tcp://h:5558,dp=2`` or a TOML table.
+
+    ``notes`` (if given) receives warnings about a pod that works but is likely not what was
+    meant (no model=, data-parallel ranks whose ports collide)."""
     if isinstance(spec, str):
         items: dict[str, Any] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -85,7 +124,11 @@ def parse_pod(spec: str | dict[str, Any]) -> PodConfig:
                     f"--pod {spec!r}: {part!r} is not key=value; expected "
                     "name=NAME,model=MODEL,pub=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp=N]"
                 )
-            items[key.strip()] = value.strip()
+            key = key.strip()
+            same = {"dp", "dp_size"} if key in ("dp", "dp_size") else {key}
+            if same & set(items):
+                raise ConfigError(f"--pod {spec!r}: {key}= is given twice; give each key once")
+            items[key] = value.strip()
     else:
         items = dict(spec)
     unknown = set(items) - _POD_KEYS
@@ -123,7 +166,36 @@ def parse_pod(spec: str | dict[str, Any]) -> PodConfig:
     for rank in range(dp_size):
         pod.pub_endpoint(rank)
         pod.replay_endpoint(rank)
+    if notes is not None:
+        if not items.get("model"):
+            notes.append(
+                f"pod {pod.name}: no model= given, so its records say model 'unknown'; add "
+                "model=<the name vLLM serves>"
+            )
+        notes.extend(_dp_port_collisions(pod))
     return pod
+
+
+def _dp_port_collisions(pod: PodConfig) -> list[str]:
+    """Rank r uses port + r on both endpoints: with the PUB and replay ports closer than
+    dp_size on one host, one rank's PUB is another rank's replay port."""
+    if pod.dp_size < 2 or pod.pub is None or pod.replay is None:
+        return []
+    pub, replay = urlsplit(pod.pub), urlsplit(pod.replay)
+    if pub.scheme != "tcp" or pub.hostname != replay.hostname:
+        return []
+    assert pub.port is not None and replay.port is not None
+    if abs(replay.port - pub.port) >= pod.dp_size:
+        return []
+    low, high = sorted((pub.port, replay.port))
+    what = "PUB" if high == pub.port else "replay"
+    return [
+        f"pod {pod.name}: with dp={pod.dp_size}, rank {high - low}'s "
+        f"{'replay' if what == 'PUB' else 'PUB'} port {high} is rank 0's {what} port "
+        f"(rank r uses port + r on both endpoints); keep the replay port >= PUB port + "
+        f"{pod.dp_size}, e.g. replay=tcp://{pub.hostname}:{pub.port + pod.dp_size}, and "
+        "vLLM's replay_endpoint to match"
+    ]
 
 
 _TOPIC_FIELDS = {"model", "pod"}
@@ -181,7 +253,7 @@ class BridgeConfig:
     listen_max_pods: int = 1024
     listen_ranks: int = 1  # listen sockets bound: port..port+N-1 for DP ranks 0..N-1
     metrics_port: int = 9400  # 0 disables the HTTP endpoint
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"  # this host only; the container image sets 0.0.0.0
     first_contact: str = "replay"
     replay_timeout: float = 2.0
     replay_deadline: float = 30.0
@@ -250,6 +322,10 @@ def parse_duration(text: str | float | int) -> float:
         try:
             value = float(t)
         except ValueError:
+            if t.startswith("-") and _DURATION.findall(t[1:]):
+                raise ValueError(
+                    f"{text!r}: a duration cannot be negative (give e.g. 5s)"
+                ) from None
             parts = _DURATION.findall(t)
             if not parts or "".join(a + b for a, b in parts) != t:
                 raise ValueError(

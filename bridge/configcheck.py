@@ -85,13 +85,14 @@ def _bootstrap_ok(servers: str) -> bool:
     return True
 
 
-def validate(cfg: BridgeConfig, sources: dict[str, str]) -> None:
-    """Raise ConfigError for the first invalid setting, naming it and what is accepted."""
+def validate(cfg: BridgeConfig, sources: dict[str, str]) -> list[str]:
+    """Every invalid setting, each naming it, where it came from and what is accepted."""
+    problems: list[str] = []
 
     def fail(name: str, accepted: str) -> None:
         where = sources.get(name, "default")
         value = getattr(cfg, name)
-        raise ConfigError(f"{name}={value!r} (from {where}): {accepted}")
+        problems.append(f"{name}={value!r} (from {where}): {accepted}")
 
     if not _bootstrap_ok(cfg.bootstrap_servers):
         fail("bootstrap_servers", "expected HOST:PORT[,HOST:PORT...], e.g. kafka:9092")
@@ -132,6 +133,7 @@ def validate(cfg: BridgeConfig, sources: dict[str, str]) -> None:
             fail(name, "must be a whole number >= 1")
     if cfg.transactional_id is not None and not cfg.transactional_id.strip():
         fail("transactional_id", "must not be empty (leave it unset for kvbridge-<topic>)")
+    return problems
 
 
 def check_file_keys(file: dict[str, Any], path: str, settings: set[str] | None = None) -> None:
@@ -330,12 +332,7 @@ def run_config_check(args: Any, resolve: Callable[..., BridgeConfig], out: Any =
     out = out or sys.stdout
     sources: dict[str, str] = {}
     notes: list[str] = []
-    cfg = resolve(args, sources=sources, notes=notes)
-    if not cfg.pods and getattr(cfg, "discovery", "static") == "static" and not cfg.listen_discover:
-        raise ConfigError(
-            "no pods to follow: give --pod name=NAME,model=MODEL,pub=tcp://HOST:5557,"
-            "replay=tcp://HOST:5558 (repeatable), KVBRIDGE_PODS, or [[pods]] in --config"
-        )
+    cfg = resolve(args, sources=sources, notes=notes, for_run=True)
     notes += [
         f"librdkafka: {w}" for w in check_kafka_properties(cfg.kafka, sources, cfg.exactly_once)
     ]

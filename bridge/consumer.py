@@ -42,6 +42,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
+from bridge.logsetup import librdkafka_logger
 from bridge.records import Record, RecordCodec, RecordError
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,7 @@ class TopicReader:
         conf.update(overrides or {})
         self.topic = topic
         self.group_id = group_id
+        conf.setdefault("logger", librdkafka_logger())
         self.consumer = Consumer(conf)
         self.codec = codec or RecordCodec()
         self.skipped = 0
@@ -294,10 +296,12 @@ class TopicReader:
                 )
             return lo, hi
         if offset > hi:
+            holds = "is empty" if lo == hi else f"holds offsets {lo}..{hi - 1}"
             log.warning(
-                "partition %d: offset %d is past the end (%d): was the topic recreated? "
-                "starting at the end",
+                "partition %d %s: offset %d is past its end; starting at the end (offset %d), "
+                "with the records written from now on",
                 p,
+                holds,
                 offset,
                 hi,
             )

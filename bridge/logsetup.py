@@ -45,3 +45,31 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+# librdkafka facilities whose messages are transient and retried by librdkafka itself, or
+# reported by the bridge in its own words: DEBUG, not the WARNING/ERROR librdkafka gives them.
+# GETPID: "Coordinator load in progress" on a fresh broker; FAIL/ERROR: "Connect to ... failed"
+# (the error callback and the commands' "cannot reach Kafka" line say it once).
+_LIBRDKAFKA_TRANSIENT = frozenset({"GETPID", "FAIL", "ERROR", "COORDERR", "FINDCOORD"})
+_LIBRDKAFKA = "kvbridge.librdkafka"
+
+
+class _Demote(logging.Filter):
+    """Lowers librdkafka's transient messages to DEBUG (dropped unless DEBUG is on)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        facility = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        if facility in _LIBRDKAFKA_TRANSIENT and record.levelno > logging.DEBUG:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(_LIBRDKAFKA).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def librdkafka_logger() -> logging.Logger:
+    """The logger given to every librdkafka client (``"logger"`` in its config): its lines
+    go through the bridge's logging at librdkafka's level instead of raw ``%4|...`` to stderr."""
+    logger = logging.getLogger(_LIBRDKAFKA)
+    if not any(isinstance(f, _Demote) for f in logger.filters):
+        logger.addFilter(_Demote())
+    return logger

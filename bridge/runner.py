@@ -339,6 +339,7 @@ class Bridge:
                 ListenDiscovery(self, c.listen_max_pods, c.listen_replay).attach(self.listeners)
         for pod in mine:
             self._follow(pod)
+        self.sink.started = True  # from now on, Kafka outages are warned about as they happen
 
     def _follow(self, pod: PodConfig, fresh_epoch: bool = False, first_rank: int = 0) -> None:
         self.pods[pod.name] = pod
@@ -680,7 +681,8 @@ class Bridge:
             self.pipeline.flush_metrics()  # exact at the end: what was acked while flushing
             self.streams.clear()
             self.sink.close()
-            self.ctx.term()
+            # destroy, not term: a socket left open by a failed open() would block term()
+            self.ctx.destroy(linger=0)
 
     # -- health (/healthz, /readyz; called from the HTTP server's threads) ---------------------
     LIVENESS_TIMEOUT = 30.0  # the event loop must have turned this recently

@@ -16,6 +16,9 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
+from bridge.config import KafkaUnreachable
+from bridge.logsetup import librdkafka_logger
+
 log = logging.getLogger(__name__)
 
 # The bridge's defaults; anything here can be overridden by passing librdkafka properties.
@@ -103,6 +106,10 @@ class KafkaSink:
         self.side_topics: set[str] = set()  # e.g. checkpoints: not counted by on_success
         self.transactional_id = transactional_id
         self.fatal: KafkaError | None = None
+        # Until the bridge has started, an unreachable broker is reported by the start-up
+        # check in one line (KafkaUnreachable), not by a warning per connection attempt.
+        self.started = False
+        conf.setdefault("logger", librdkafka_logger())
         self._conf = conf
         self._producer = Producer(conf)
         self._on_failure = on_failure
@@ -120,7 +127,8 @@ class KafkaSink:
             self.fatal = err
             log.error("kafka producer fatal error: %s", err)
         elif err.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN):
-            log.warning("kafka: %s (records wait in the producer queue)", err)
+            level = logging.WARNING if self.started else logging.DEBUG
+            log.log(level, "kafka: %s (records wait in the producer queue)", err)
         else:
             log.warning("kafka: %s", err)
 
@@ -416,17 +424,19 @@ def ensure_topic(
     config: dict[str, str] | None = None,
 ) -> bool:
     """Create ``topic`` if it does not exist; True if created. Waits until it has leaders."""
-    conf = {"bootstrap.servers": bootstrap_servers, **(overrides or {})}
+    conf = {
+        "bootstrap.servers": bootstrap_servers,
+        "logger": librdkafka_logger(),
+        **(overrides or {}),
+    }
     admin = AdminClient(conf)
     deadline = time.monotonic() + timeout
     created = False
     try:
         md = admin.list_topics(timeout=timeout)
     except KafkaException as exc:
-        raise RuntimeError(
-            f"cannot reach Kafka at {bootstrap_servers}: {exc}. Check --bootstrap-servers and that "
-            "the broker is up"
-        ) from exc
+        detail = exc.args[0].str() if exc.args else str(exc)
+        raise KafkaUnreachable(bootstrap_servers, detail) from exc
     existing = md.topics.get(topic)
     if existing is not None and existing.error is None and len(existing.partitions) < partitions:
         log.warning(

@@ -25,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from bridge.config import KafkaUnreachable, kafka_unreachable
 from bridge.state import CacheState
 from bridge.statesync import PartitionWatch
 from bridge.statetopic import DEFAULT_STATE_TOPIC, EventTail, load_state
@@ -263,7 +264,10 @@ class LiveState:
                 tail.close()
         except BaseException as exc:  # reported by /healthz and the CLI
             self.error = exc
-            log.exception("state consumer failed")
+            if kafka_unreachable(exc):
+                log.debug("state consumer failed", exc_info=True)  # the CLI says it in one line
+            else:
+                log.exception("state consumer failed")
 
     def pods(self) -> dict[str, Any]:
         now = int(time.time() * 1000)
@@ -431,6 +435,8 @@ def run(args: argparse.Namespace) -> int:
             if not live.alive:
                 break
         live.stop()
+        if live.error is not None and kafka_unreachable(live.error):
+            raise KafkaUnreachable(bootstrap, live.error.args[0].str())
         if live.error is not None:
             raise RuntimeError(f"reading the state failed: {live.error}")
         json.dump(live.pods(), sys.stdout, indent=1)

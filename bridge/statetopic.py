@@ -31,6 +31,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from bridge.consumer import records_of
+from bridge.logsetup import librdkafka_logger
 from bridge.records import Record, RecordCodec, RecordError
 from bridge.sink import ensure_topic
 from bridge.state import CacheState
@@ -56,6 +57,7 @@ def _consumer(bootstrap: str, overrides: dict[str, Any] | None, purpose: str) ->
         "isolation.level": "read_committed",
     }
     conf.update(overrides or {})
+    conf.setdefault("logger", librdkafka_logger())
     return Consumer(conf)
 
 
@@ -67,7 +69,9 @@ def ensure_state_topic(bootstrap: str, topic: str, overrides: dict[str, Any] | N
     created = ensure_topic(
         bootstrap, topic, partitions=1, overrides=overrides, config=STATE_TOPIC_CONFIG
     )
-    admin = AdminClient({"bootstrap.servers": bootstrap, **(overrides or {})})
+    admin = AdminClient(
+        {"bootstrap.servers": bootstrap, "logger": librdkafka_logger(), **(overrides or {})}
+    )
     md = admin.list_topics(topic, timeout=10).topics[topic]
     if len(md.partitions) != 1:
         raise RuntimeError(
@@ -362,6 +366,7 @@ class StateSyncer:
             "compression.type": "lz4",
         }
         conf.update(self.overrides)
+        conf.setdefault("logger", librdkafka_logger())
         self.producer = Producer(conf)
         try:
             # Aborts a crashed predecessor's open transaction, so the load below sees the end.
@@ -504,8 +509,7 @@ class StateSyncer:
 
 def configure_parser(sub: Any) -> None:
     """Add `kvbridge state-sync` to the subcommands."""
-    from bridge.cliargs import add_kafka_args
-    from bridge.config import parse_duration
+    from bridge.cliargs import add_kafka_args, duration
 
     p = sub.add_parser(
         "state-sync",
@@ -530,14 +534,14 @@ def configure_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--commit-interval",
-        type=parse_duration,
+        type=duration,
         default=0.2,
         metavar="DURATION",
         help="how often a transaction is committed (200ms)",
     )
     p.add_argument(
         "--partition-check-interval",
-        type=parse_duration,
+        type=duration,
         default=30.0,
         metavar="DURATION",
         help="how often to check kv-events for added partitions, which are then read from "

@@ -6,9 +6,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
 
-echo "== installing kvbridge (pip install -e .)"
+echo "== installing kvbridge (pip install -e .; up to a minute on a fresh machine)"
 "$PYTHON" -m pip install -q --disable-pip-version-check --root-user-action=ignore -e .
-echo "== Kafka jars"
+echo "== Kafka jars (from Maven Central the first time, then cached in .kafka-local/)"
 bash scripts/kafka-local.sh fetch
 
 WORK="$(mktemp -d -t kvbridge-demo-XXXXXX)"
@@ -26,7 +26,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "== starting Kafka on 127.0.0.1:$KAFKA_PORT"
+echo "== starting Kafka on 127.0.0.1:$KAFKA_PORT (about 10 s)"
 bash scripts/kafka-local.sh start --port "$KAFKA_PORT" --controller-port "$CONTROLLER_PORT" \
     --data-dir "$WORK/kafka" >/dev/null
 "$PYTHON" scripts/demo.py --bootstrap-servers "127.0.0.1:$KAFKA_PORT" --workdir "$WORK"

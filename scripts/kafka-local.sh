@@ -4,7 +4,8 @@
 # .kafka-local/<version>/libs at the repository root.
 #
 #   scripts/kafka-local.sh fetch             download the broker's jars (skips if cached)
-#   scripts/kafka-local.sh start [options]   format if new, start in the background, wait
+#   scripts/kafka-local.sh start [options]   format if new, start in the background, wait;
+#                                            last line: kafka-local: bootstrap servers HOST:PORT
 #   scripts/kafka-local.sh run   [options]   the same in the foreground (exec's the JVM)
 #   scripts/kafka-local.sh stop  [options]   TERM the broker by its pid file, then KILL
 #   scripts/kafka-local.sh status [options]  exit 0 if running, 3 if not
@@ -82,7 +83,8 @@ cmd_fetch() {
     trap "rm -rf '$tmp'; rmdir --ignore-fail-on-non-empty '$CACHE/$VERSION' 2>/dev/null" EXIT
     local mvn=(mvn -B -q -f "$SCRIPTS/kafka-pom.xml" dependency:copy-dependencies
         -DincludeScope=runtime -DoutputDirectory="$tmp" -Dkafka.version="$VERSION")
-    echo "kafka-local: fetching Kafka $VERSION from Maven Central into $LIBS"
+    echo "kafka-local: fetching Kafka $VERSION from Maven Central into $LIBS" \
+        "(about 50 jars, 60 MB; a minute or more on a fresh machine, cached afterwards)"
     local out
     out="$("${mvn[@]}" 2>&1)" || die "Maven could not resolve org.apache.kafka:kafka_2.13:$VERSION:"$'\n'"$out"
 
@@ -209,7 +211,7 @@ cmd_start() {
     local pid
     if pid="$(running_pid)"; then
         echo "kafka-local: already running (pid $pid)"
-        bootstrap
+        echo "kafka-local: bootstrap servers $(bootstrap)"
         return 0
     fi
     [[ -f "$LOG_FILE" ]] && START_OFFSET="$(stat -c %s "$LOG_FILE")"
@@ -232,7 +234,7 @@ cmd_start() {
         sleep 0.2
     done
     echo "kafka-local: Kafka $VERSION ready (pid $pid, log $LOG_FILE)"
-    bootstrap
+    echo "kafka-local: bootstrap servers $(bootstrap)"
 }
 
 # ---------------------------------------------------------------------------- stop / status

@@ -56,6 +56,9 @@ def test_pod_spec_and_dp_ports():
         ("name=a,pub=tcp://x:1,colour=red", "unknown key"),
         ("name=a,pub", "not key=value"),
         ("name=a,pub=ipc:///tmp/x,dp=2", "data-parallel ranks > 0"),
+        ("name=a,model=m,pub=tcp://x:1,name=b", "name= is given twice"),
+        ("name=a,pub=tcp://x:1,pub=tcp://y:1", "pub= is given twice"),
+        ("name=a,pub=tcp://x:1,dp=2,dp_size=3", "dp_size= is given twice"),
     ],
 )
 def test_bad_pod_specs_say_what_to_do(spec, needle):
@@ -411,3 +414,151 @@ def test_config_check_invalid_exits_2_with_the_message(capsys):
 )
 def test_secret_property_names(name, secret):
     assert is_secret(name) is secret
+
+
+@pytest.mark.parametrize("command", [["run"], ["config", "check"]])
+@pytest.mark.parametrize("key", ["pub", "replay"])
+def test_a_bind_address_in_a_pod_spec_is_refused_saying_what_to_give(capsys, command, key):
+    """vLLM's documented endpoint tcp://*:45999 is where vLLM binds, not where to connect."""
+    spec = "name=a,model=m,pub=tcp://*:45999"
+    if key == "replay":
+        spec = "name=a,model=m,pub=tcp://10.0.0.5:5557,replay=tcp://*:45999"
+    assert main([*command, "--metrics-port", "0", "--pod", spec]) == 2
+    err = capsys.readouterr().err
+    assert f"pod a {key}='tcp://*:45999' is a bind address" in err
+    assert "e.g. tcp://10.0.0.5:45999" in err and "--listen tcp://*:45999" in err
+
+
+@pytest.mark.timeout(120)
+def test_a_bridge_whose_start_fails_closes_without_hanging(kafka_bootstrap, kafka_topic):
+    """open() fails on a socket it made (connect refused by libzmq); close() still returns."""
+    import zmq
+
+    from bridge.config import BridgeConfig, PodConfig
+    from bridge.runner import Bridge
+
+    pods = [PodConfig("a", "m", "tcp://*:45999", "tcp://127.0.0.1:45998")]
+    bridge = Bridge(
+        BridgeConfig(
+            bootstrap_servers=kafka_bootstrap, topic=kafka_topic, pods=pods, metrics_port=0
+        )
+    )
+    try:
+        bridge.open()
+    except zmq.ZMQError:
+        bridge.close()  # as `kvbridge run` does; before the fix: blocked for good in term()
+    else:
+        pytest.fail("open() connected to a bind address")
+    assert bridge.ctx.closed
+
+
+def test_config_check_warns_of_dp_port_collisions_and_a_missing_model(capsys):
+    """README: keep the replay port >= PUB port + N; a pod without model= is 'unknown'."""
+    ok = "name=a,model=m,pub=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5559,dp=2"
+    clash = "name=b,model=m,pub=tcp://10.0.0.6:5557,replay=tcp://10.0.0.6:5558,dp=2"
+    anon = "name=c,pub=tcp://10.0.0.7:5557"
+    argv = ["config", "check", "--format", "json", "--metrics-port", "0"]
+    assert main([*argv, "--pod", ok, "--pod", clash, "--pod", anon]) == 0
+    warnings = json.loads(capsys.readouterr().out)["warnings"]
+    assert warnings == [
+        "pod b: with dp=2, rank 1's PUB port 5558 is rank 0's replay port (rank r uses port + r "
+        "on both endpoints); keep the replay port >= PUB port + 2, e.g. "
+        "replay=tcp://10.0.0.6:5559, and vLLM's replay_endpoint to match",
+        "pod c: no model= given, so its records say model 'unknown'; add model=<the name vLLM "
+        "serves>",
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (
+            ["--workers", "2", "--listen-discover", "--listen", "tcp://*:5557"],
+            "listen_discover with --workers 2: a vLLM pod connects its PUB to one address",
+        ),
+        (["--pod", POD, "--workers", "0"], "--workers 0: must be a whole number >= 1"),
+        ([], "no pods to follow"),
+    ],
+)
+def test_config_check_refuses_what_run_refuses(capsys, argv, needle):
+    """One validation for both: `config check` exits 2 wherever `run` would."""
+    for command in (["run"], ["config", "check"]):
+        assert main([*command, "--metrics-port", "0", *argv]) == 2, command
+        assert needle in capsys.readouterr().err, command
+
+
+def test_every_bad_setting_is_reported_at_once(capsys, monkeypatch):
+    monkeypatch.setenv("KVBRIDGE_RCVHWM", "lots")
+    argv = ["--metrics-port", "0", "--reconnect-factor", "0.5", "--replay-attempts", "0"]
+    argv += ["--pod", "name=a,model=m,pub=tcp://*:5557", "--pod", POD, "--shard-index", "3"]
+    for command in (["run"], ["config", "check"]):
+        assert main([*command, *argv]) == 2
+        err = capsys.readouterr().err
+        assert "5 problems in the settings:" in err, err
+        for needle in (
+            "reconnect_factor=0.5 (from flag)",
+            "replay_attempts=0 (from flag)",
+            "rcvhwm='lots' (from env KVBRIDGE_RCVHWM)",
+            "pod a pub='tcp://*:5557' is a bind address",
+            "shard_index=3, shard_count=1",
+        ):
+            assert f"  - {needle}" in err, needle
+        assert "no pods to follow" not in err
+
+
+def test_metrics_and_state_serve_listen_on_this_host_only_unless_told():
+    """One safe default for both HTTP servers; the container image opens the metrics port."""
+    from pathlib import Path
+
+    cfg = resolve(["--pod", POD])
+    assert cfg.metrics_host == "127.0.0.1"
+    assert build_parser().parse_args(["state", "--serve"]).host == cfg.metrics_host
+    dockerfile = (Path(__file__).parent.parent / "Dockerfile").read_text()
+    assert "KVBRIDGE_METRICS_HOST=0.0.0.0" in dockerfile
+    assert resolve(["--pod", POD], {"KVBRIDGE_METRICS_HOST": "0.0.0.0"}).metrics_host == "0.0.0.0"
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens there once the socket is closed
+
+
+def test_librdkafka_logs_go_through_the_bridges_logging():
+    """No raw ``%3|...|FAIL|...`` lines from librdkafka on the terminal; at debug level they
+    are the ``kvbridge.librdkafka`` logger's."""
+    from e2e_util import run_cli
+
+    where = f"127.0.0.1:{_closed_port()}"
+    got = run_cli(["consume", "--bootstrap-servers", where, "--topic", "t"], timeout=60)
+    assert not [line for line in got.stderr.splitlines() if line.startswith("%")], got.stderr
+    got = run_cli(
+        ["consume", "--bootstrap-servers", where, "--topic", "t", "--log-level", "debug"], 60
+    )
+    assert not [line for line in got.stderr.splitlines() if line.startswith("%")]
+    assert "DEBUG   kvbridge.librdkafka: FAIL [rdkafka#consumer-1]" in got.stderr, got.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["consume"],
+        ["check"],
+        ["replay"],
+        ["state"],
+        ["run", "--metrics-port", "0", "--pod", "name=a,model=m,pub=tcp://127.0.0.1:5"],
+    ],
+)
+def test_an_unreachable_broker_is_one_clear_line_and_exit_2(command):
+    from e2e_util import run_cli
+
+    where = f"127.0.0.1:{_closed_port()}"
+    got = run_cli([*command, "--bootstrap-servers", where], timeout=90)
+    assert got.returncode == 2, got.stderr
+    assert got.stderr.splitlines() == [
+        f"kvbridge {command[0]}: cannot reach Kafka at {where} (Failed to get metadata: Local: "
+        "Broker transport failure): check --bootstrap-servers (or KVBRIDGE_BOOTSTRAP_SERVERS), "
+        "that the broker is running and that this host can connect to that address"
+    ]

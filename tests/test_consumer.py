@@ -156,6 +156,67 @@ def test_consume_cli_offsets_and_times(kafka_bootstrap, topic):
     assert got.returncode == 2 and "needs --partition" in got.stderr
 
 
+def test_relative_times_and_durations_work_as_the_docs_write_them(kafka_bootstrap, topic, tmp_path):
+    """``--from-timestamp -10m``, ``--to-timestamp -1h`` (README), not only ``=-10m``."""
+    from bridge.state import CacheState
+
+    base = ["--bootstrap-servers", kafka_bootstrap, "--topic", topic]
+    got = run_cli(["consume", *base, "--from-timestamp", "-10m"])  # every record is older
+    assert got.returncode == 0, got.stderr
+    assert got.stdout == ""
+    got = run_cli(["consume", *base, "--from-timestamp", "-1h30m", "--to-timestamp", "-5m"])
+    assert got.returncode == 0, got.stderr
+    assert len(got.stdout.splitlines()) == 3 * PER_PARTITION
+    snap = tmp_path / "s.json"
+    got = run_cli(["replay", *base, "--to-timestamp", "-2h", "--snapshot", str(snap)])
+    assert got.returncode == 0, got.stderr
+    assert CacheState.load(snap)[0].resident_blocks() == 0  # as of before the first record
+    got = run_cli(["replay", *base, "--to-timestamp", "-1m", "--snapshot", str(snap)])
+    assert got.returncode == 0, got.stderr
+    assert CacheState.load(snap)[0].resident_blocks() == 3 * PER_PARTITION
+    got = run_cli(["run", "--replay-timeout", "-5s", "--pod", "name=a,model=m,pub=tcp://h:1"])
+    assert got.returncode == 2 and "a duration cannot be negative" in got.stderr, got.stderr
+
+
+def test_an_offset_past_a_short_partitions_end_says_what_the_partition_holds(
+    kafka_bootstrap, topic, make_topic
+):
+    """A partition that is simply short (or empty) is no sign of a recreated topic."""
+    empty = make_topic(partitions=3)
+    got = run_cli(
+        [
+            "consume",
+            "--bootstrap-servers",
+            kafka_bootstrap,
+            "--topic",
+            empty,
+            "--from-offset",
+            "2:10",
+        ]
+    )
+    assert got.returncode == 0, got.stderr
+    assert (
+        "partition 2 is empty: offset 10 is past its end; starting at the end (offset 0)"
+        in got.stderr
+    )
+    assert "recreated" not in got.stderr
+    got = run_cli(
+        [
+            "consume",
+            "--bootstrap-servers",
+            kafka_bootstrap,
+            "--topic",
+            topic,
+            "--from-offset",
+            "1:10",
+        ]
+    )
+    assert got.returncode == 0, got.stderr
+    assert (
+        f"partition 1 holds offsets 0..{PER_PARTITION - 1}: offset 10 is past its end" in got.stderr
+    )
+
+
 def test_follow_ticks_while_idle_and_stops_on_request(kafka_bootstrap, topic):
     ticks: list[int] = []
     with TopicReader(kafka_bootstrap, topic) as r:

@@ -201,6 +201,7 @@ def test_probes_and_the_service_use_the_metrics_port(tmp_path: Path) -> None:
     argv, _ = config_file(tmp_path)
     cfg = resolve(argv, env_of(c, **{SHARD_LABEL: "0", "metadata.namespace": "vllm"}))
     assert ports["metrics"] == cfg.metrics_port == 9400
+    assert cfg.metrics_host == "0.0.0.0"  # probes and Prometheus reach it from outside the pod
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}

@@ -149,3 +149,31 @@ def test_startup_failure_reports_the_errors_logged() -> None:
         finally:
             broker.close()
     assert not broker.workdir.exists()
+
+
+def test_kafka_local_start_says_what_its_output_is(tmp_path) -> None:
+    """`kafka-local.sh start` ends with a labelled bootstrap line a script can parse."""
+    import subprocess
+
+    from kafka_broker import SCRIPT
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    where = ["--port", str(ports[0]), "--controller-port", str(ports[1])]
+    where += ["--data-dir", str(tmp_path / "kafka")]
+    try:
+        got = subprocess.run(
+            ["bash", str(SCRIPT), "start", *where], capture_output=True, text=True, timeout=180
+        )
+        assert got.returncode == 0, got.stderr
+        lines = got.stdout.splitlines()
+        assert lines[-1] == f"kafka-local: bootstrap servers 127.0.0.1:{ports[0]}", got.stdout
+        assert "ready (pid" in lines[-2]
+        admin = AdminClient({"bootstrap.servers": lines[-1].rsplit(" ", 1)[1]})
+        assert admin.list_topics(timeout=10).brokers
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "stop", *where], capture_output=True, timeout=60)
+    assert _refuses_connections(ports[0])

@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from bridge.cliargs import duration
 from bridge.config import BridgeConfig, ConfigError, parse_duration
 from bridge.discovery import DISCOVERY_MODES
 
@@ -54,7 +55,7 @@ def add_discovery_args(run: argparse.ArgumentParser) -> None:
     g.add_argument("--dns-model", metavar="MODEL", help="model of the pods found by DNS")
     g.add_argument(
         "--dns-interval",
-        type=parse_duration,
+        type=duration,
         metavar="DURATION",
         help="how often the name is resolved again (10s)",
     )
