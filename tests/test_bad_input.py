@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import zmq
 from bridge_util import metric, read_all, running_bridge
-from e2e_util import wait_for
+from e2e_util import run_cli, wait_for
 
 from bridge.config import PodConfig
 from bridge.events import BlockStored, EventBatch
@@ -107,3 +107,84 @@ def test_hostile_pod_is_contained(kafka_bootstrap, make_topic):
     got = [(r.envelope.seq, r.envelope.index) for r in good_recs if r.envelope.index >= 0]
     want = [(b["seq"], i) for b in fleet.sent("good") for i in range(len(b["events"]))]
     assert got == want
+
+
+def out_of_range(seq: int, event: list[object], ts: float | None = None) -> bytes:
+    """A batch with a value the record schema cannot hold or vLLM never sends."""
+    return msgpack.packb([1767225600.0 + seq if ts is None else ts, [event], 0])
+
+
+@pytest.mark.kafka
+def test_out_of_range_values_become_one_events_lost_each(kafka_bootstrap, make_topic):
+    topic = make_topic(partitions=2)
+    ctx = zmq.Context()
+    evil = HostilePod(ctx)
+    good_spec = PodSpec(name="good", release="0.33.0", rate=200, batches=60, seed=5)
+    issue_12 = ["BlockStored", [1], None, list(range(32)), 2**63, None, "GPU"]
+    bad = {  # seq -> (payload, the field its EventsLost reason must name)
+        1: (out_of_range(1, issue_12), "block_size"),
+        2: (out_of_range(2, ["BlockStored", [2**63], None, [7, 2**63], 2, None]), "token_ids"),
+        3: (out_of_range(3, ["BlockStored", [3], None, [1, -1], 2, None, "GPU"]), "token_ids"),
+        4: (out_of_range(4, ["BlockStored", [4], None, [1, 2], -1, None, "GPU"]), "block_size"),
+        5: (out_of_range(5, ["BlockRemoved", [5], "GPU", -1]), "group_idx"),
+        6: (out_of_range(6, ["AllBlocksCleared"], ts=float("nan")), "ts"),
+    }
+    with SimulatedFleet(good_spec) as fleet:
+        good = fleet["good"]
+        pods = [
+            PodConfig("evil", "m", evil.endpoint),  # no replay endpoint
+            PodConfig("good", "m", good.pub, good.replay),
+        ]
+        with running_bridge(kafka_bootstrap, topic, pods) as bridge:
+            evil.wait_subscribed()
+            evil.send(live_frames(b"", 0, valid(0)))
+            for seq, (payload, _) in bad.items():
+                evil.send(live_frames(b"", seq, payload))
+            evil.send([b"", (2**63).to_bytes(8, "big"), valid(7)])  # a seq no record can hold
+            evil.send(live_frames(b"", 7, valid(7)))
+            fleet.wait_done(timeout=30)
+            wait_for(
+                lambda: metric(bridge, "kvbridge_last_seq", pod="evil", dp_rank="0") == 7,
+                30,
+                "the hostile pod's seq 7 to be delivered",
+            )
+            n_good = sum(len(b["events"]) for b in fleet.sent("good"))
+            wait_for(
+                lambda: metric(bridge, "kvbridge_records_out_total", pod="good") >= n_good + 1,
+                60,
+                "the good pod's records to be acknowledged",
+            )
+            wait_for(
+                lambda: metric(bridge, "kvbridge_records_out_total", pod="evil") >= 2 + 1 + 6,
+                30,
+                "the hostile pod's records and markers to be acknowledged",
+            )
+            errors = metric(bridge, "kvbridge_decode_errors_total", pod="evil", kind="payload")
+            assert errors == len(bad)
+            assert metric(bridge, "kvbridge_decode_errors_total", pod="evil", kind="frames") == 1
+            assert metric(bridge, "kvbridge_decode_errors_total", pod="good", kind="payload") == 0
+            assert metric(bridge, "kvbridge_internal_errors_total", pod="evil") == 0
+
+        records = read_all(kafka_bootstrap, topic)
+    ctx.destroy(linger=0)
+    evil_recs = [r for r in records if r.envelope.pod == "evil"]
+    delivered = [
+        (r.envelope.seq, type(r.event).__name__) for r in evil_recs if r.envelope.index >= 0
+    ]
+    assert delivered == [(0, "BlockStored"), (7, "BlockStored")]
+    lost = [r.event for r in evil_recs if isinstance(r.event, EventsLost)]
+    assert [(e.from_seq, e.to_seq) for e in lost] == [(seq, seq) for seq in bad]
+    for e in lost:
+        field = bad[e.from_seq][1]
+        assert e.reason.startswith("undecodable batch: "), e.reason
+        assert f"field '{field}': " in e.reason and "value out of range" in e.reason, e.reason
+    assert "9223372036854775808" in lost[0].reason  # the value itself is named
+    good_recs = [r for r in records if r.envelope.pod == "good"]
+    got = [(r.envelope.seq, r.envelope.index) for r in good_recs if r.envelope.index >= 0]
+    want = [(b["seq"], i) for b in fleet.sent("good") for i in range(len(b["events"]))]
+    assert got == want
+    # `kvbridge check`: every seq of both streams delivered or covered by its EventsLost.
+    check = run_cli(["check", "--bootstrap-servers", kafka_bootstrap, "--topic", topic, "-v"])
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.startswith("OK: 2 streams"), check.stdout
+    assert "hole" not in check.stdout and f", {len(bad)} lost" in check.stdout, check.stdout

@@ -435,3 +435,110 @@ def test_deeply_nested_extra_is_a_decode_error_or_kept() -> None:
     for _ in range(1000):
         nested = [nested]
     _decode_or_error(pack([TS, [["AllBlocksCleared", nested]], 0]))
+
+
+# --- value domains: what the record schema (and vLLM) allow -----------------------------
+
+BIG = 2**63  # one past Avro's long
+
+
+def stored(**fields: Any) -> dict[str, Any]:
+    ev = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None}
+    ev.update({"token_ids": [1, 2, 3, 4], "block_size": 4, "lora_id": None, "medium": "GPU"})
+    ev.update({"lora_name": None, **fields})
+    return ev
+
+
+@pytest.mark.parametrize(
+    "batch, message",
+    [
+        (
+            [TS, [["BlockStored", [1], None, list(range(32)), BIG, None, "GPU"]], 0],
+            "event 0 (BlockStored): field 'block_size': value out of range: "
+            "9223372036854775808 (must be <= 2**63-1",
+        ),
+        (
+            [TS, [stored(block_size=-1)]],
+            "field 'block_size': value out of range: -1 (must be >= 1)",
+        ),
+        (
+            [TS, [stored(block_size=0)]],
+            "field 'block_size': value out of range: 0 with 4 token_ids",
+        ),
+        ([TS, [stored(token_ids=[1, BIG])]], "field 'token_ids': element 1: value out of range"),
+        ([TS, [stored(token_ids=[5, -1])]], "'token_ids': element 1: value out of range: -1"),
+        ([TS, [stored(lora_id=-3)]], "field 'lora_id': value out of range: -3 (must be >= 0)"),
+        ([TS, [stored(lora_id=2**64 - 1)]], "field 'lora_id': value out of range: 18446744"),
+        ([TS, [stored(group_idx=-1)]], "field 'group_idx': value out of range: -1"),
+        ([TS, [stored(group_idx=BIG)]], "field 'group_idx': value out of range"),
+        (
+            [TS, [stored(kv_cache_spec_sliding_window=-128)]],
+            "'kv_cache_spec_sliding_window': value",
+        ),
+        ([TS, [stored(lookahead_token_ids=[[1], [2, -2]])]], "element 1: element 1: value out of"),
+        (
+            [TS, [stored(lookahead_token_ids=[[BIG]])]],
+            "'lookahead_token_ids': element 0: element 0",
+        ),
+        ([TS, [stored(block_hashes=[b"x", b""])]], "'block_hashes': element 1: value out of range"),
+        ([TS, [stored(parent_block_hash=b"")]], "'parent_block_hash': value out of range: empty"),
+        ([TS, [["BlockRemoved", [1], "GPU", -1]]], "(BlockRemoved): field 'group_idx': value out"),
+        ([TS, [{"type": "BlockRemoved", "block_hashes": [b""]}]], "element 0: value out of range"),
+        ([float("nan"), []], "envelope: field 'ts': value out of range: nan (must be finite)"),
+        ([float("inf"), [], 0], "envelope: field 'ts': value out of range: inf"),
+        ([float("-inf"), [], 0], "envelope: field 'ts': value out of range: -inf"),
+        ([TS, [], -1], "field 'data_parallel_rank': value out of range: -1 (must be >= 0)"),
+        (
+            [TS, [], 2**31],
+            "'data_parallel_rank': value out of range: 2147483648 (must be <= 2**31-1",
+        ),
+        ({"ts": TS, "events": [], "data_parallel_rank": BIG}, "'data_parallel_rank': value out"),
+    ],
+)
+def test_values_out_of_their_domain_are_decode_errors(batch: Any, message: str) -> None:
+    with pytest.raises(DecodeError) as info:
+        decode_batch(pack(batch))
+    assert message in str(info.value)
+
+
+def test_each_domain_holds_its_edges_and_refuses_one_past_them() -> None:
+    top = 2**63 - 1
+    ev = stored(
+        block_hashes=[-(2**63), 2**64 - 1, b"\x01"],
+        token_ids=[0, top],
+        block_size=top,
+        lora_id=0,
+        group_idx=top,
+        kv_cache_spec_sliding_window=0,
+        lookahead_token_ids=[[top, 0]],
+    )
+    placeholder = stored(token_ids=[], block_size=0, medium="CPU")  # offloading (spec §8)
+    batch = decode_batch(pack([-1.5, [ev, placeholder], 2**31 - 1]))
+    assert (batch.ts, batch.dp_rank) == (-1.5, 2**31 - 1)
+    first, second = batch.events
+    assert first.block_hashes == [b"\x80" + b"\x00" * 7, b"\xff" * 8, b"\x01"]
+    assert (first.token_ids, first.block_size, first.lora_id) == ([0, top], top, 0)
+    assert (second.block_size, second.token_ids) == (0, [])
+    past = {
+        "token_ids": [0, top + 1],
+        "block_size": top + 1,
+        "lora_id": -1,
+        "group_idx": top + 1,
+        "kv_cache_spec_sliding_window": -1,
+        "lookahead_token_ids": [[top + 1, 0]],
+    }
+    for name, value in past.items():
+        with pytest.raises(
+            DecodeError, match=f"field '{name}': (element [01]: )*value out of range"
+        ):
+            decode_batch(pack([TS, [{**ev, name: value}], 0]))
+    with pytest.raises(DecodeError, match="'data_parallel_rank': value out of range"):
+        decode_batch(pack([TS, [ev], 2**31]))
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1, 2**256])
+def test_decode_event_refuses_int_hashes_wider_than_64_bits(value: int) -> None:
+    # vLLM 0.9.x with sha256 had 256-bit int hashes (it could not send them); reducing one
+    # mod 2**64 would silently alias another block.
+    with pytest.raises(DecodeError, match=r"element 0: value out of range: hash"):
+        decode_event(["BlockRemoved", [value]])

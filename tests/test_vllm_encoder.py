@@ -323,7 +323,9 @@ values = st.recursive(
     ),
     max_leaves=12,
 )
-ints = st.integers(-(2**63), 2**64 - 1)
+# Values in the decoder's domains (every msgpack int width still occurs): token ids, ids and
+# indexes are Avro longs >= 0, block sizes >= 1, ranks Avro ints >= 0, timestamps finite.
+ints = st.integers(0, 2**63 - 1)
 opt_ints = st.none() | ints
 opt_strs = st.none() | st.text(max_size=40)
 hashes = st.binary(min_size=1, max_size=40)
@@ -331,7 +333,7 @@ FIELD_STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
     "block_hashes": st.lists(hashes, max_size=4),
     "parent_block_hash": st.none() | hashes,
     "token_ids": st.lists(ints, max_size=20),
-    "block_size": ints,
+    "block_size": st.integers(1, 2**63 - 1),
     "lora_id": opt_ints,
     "medium": opt_strs,
     "lora_name": opt_strs,
@@ -388,11 +390,11 @@ def batches(release: Release, with_extra: bool) -> st.SearchStrategy[EventBatch]
         *([unknown_event(release)] if with_extra else []),
     )
     kwargs: dict[str, Any] = {
-        "ts": st.floats(allow_nan=False) | st.integers(0, 2**40),
+        "ts": st.floats(allow_nan=False, allow_infinity=False) | st.integers(0, 2**40),
         "events": st.lists(event, max_size=5),
     }
     if release.has_dp_rank:
-        kwargs["dp_rank"] = st.none() | ints
+        kwargs["dp_rank"] = st.none() | st.integers(0, 2**31 - 1)
         if with_extra:
             kwargs["extra"] = st.lists(values.map(pack), max_size=2).map(
                 lambda vs: {f"#{3 + i}": v for i, v in enumerate(vs)}

@@ -6,11 +6,21 @@ envelope, events as positional arrays of any length or as maps. Integer hashes
 become their 8-byte normal form, byte hashes stay as they are. Anything this
 bridge does not know is kept as msgpack bytes (``extra``, ``UnknownEvent``).
 Every malformed payload raises :class:`DecodeError`, and nothing else.
+
+Values are checked against their domains here, so that every decoded batch can be
+written as Avro (``schemas/kv_event.avsc``): an integer hash is a signed or unsigned
+64-bit int, a byte hash is not empty; token ids, ``lora_id``, ``group_idx`` and
+``kv_cache_spec_sliding_window`` are in ``0..2**63-1`` (Avro ``long``); ``block_size``
+is in ``1..2**63-1``, or 0 for an offloading placeholder (no ``token_ids``, spec §8);
+``data_parallel_rank`` is in ``0..2**31-1`` (Avro ``int``); ``ts`` is finite; every
+``extra_keys`` entry can be re-encoded as msgpack. A value outside its domain is a
+DecodeError that names the field and the value (``value out of range: ...``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from math import isfinite
 from typing import Any
 
 import msgpack
@@ -28,6 +38,9 @@ from bridge.vllm.releases import BLOCK_REMOVED_FIELDS, BLOCK_STORED_FIELDS
 __all__ = ["DecodeError", "decode_batch", "decode_event"]
 
 _MASK64 = (1 << 64) - 1
+_HASH_MIN = -(1 << 63)  # int hashes: signed int64 (0.9.x builtin hash) or uint64
+_LONG_MAX = (1 << 63) - 1  # Avro long
+_INT_MAX = (1 << 31) - 1  # Avro int
 
 
 class DecodeError(ValueError):
@@ -68,9 +81,15 @@ def _pack(value: Any) -> bytes:
 def _hash(v: Any) -> bytes:
     t = type(v)
     if t is int:
-        return (v & _MASK64).to_bytes(8, "big")
-    if t is bytes:
+        if _HASH_MIN <= v <= _MASK64:
+            return (v & _MASK64).to_bytes(8, "big")
+        raise _Invalid(
+            f"value out of range: hash {v} (an int hash is a signed or unsigned 64-bit int)"
+        )
+    if t is bytes and v:
         return v
+    if t is bytes:
+        raise _Invalid("value out of range: empty bin hash (a digest has at least one byte)")
     raise _Invalid(f"expected int or bin hash, got {_kind(v)}")
 
 
@@ -83,21 +102,41 @@ def _hash_list(v: Any) -> list[bytes]:
         raise _Invalid(f"expected array of hashes, got {_kind(v)}")
     try:
         return [_hash(h) for h in v]
-    except _Invalid as exc:
-        i = next(i for i, h in enumerate(v) if type(h) not in (int, bytes))
-        raise _Invalid(f"element {i}: {exc}") from None
+    except _Invalid:
+        for i, h in enumerate(v):
+            try:
+                _hash(h)
+            except _Invalid as exc:
+                raise _Invalid(f"element {i}: {exc}") from None
+        raise  # unreachable: _hash is deterministic
 
 
-def _int(v: Any) -> int:
+def _out_of_range(v: int, low: int, high: int) -> _Invalid:
+    if v < low:
+        bound = f">= {low}"
+    else:
+        bound = "<= 2**31-1, an Avro int" if high == _INT_MAX else "<= 2**63-1, an Avro long"
+    return _Invalid(f"value out of range: {v} (must be {bound})")
+
+
+def _block_size(v: Any) -> int:
+    """``1..2**63-1``; 0 passes here, :func:`_check_stored` allows it for placeholders only."""
     if type(v) is not int:
         raise _Invalid(f"expected int, got {_kind(v)}")
-    return v
-
-
-def _opt_int(v: Any) -> int | None:
-    if v is None or type(v) is int:
+    if 0 <= v <= _LONG_MAX:
         return v
-    raise _Invalid(f"expected int or nil, got {_kind(v)}")
+    raise _out_of_range(v, 1, _LONG_MAX)
+
+
+def _opt_count(v: Any) -> int | None:
+    """An optional id, index or size: nil or ``0..2**63-1``."""
+    if v is None:
+        return v
+    if type(v) is not int:
+        raise _Invalid(f"expected int or nil, got {_kind(v)}")
+    if 0 <= v <= _LONG_MAX:
+        return v
+    raise _out_of_range(v, 0, _LONG_MAX)
 
 
 def _opt_str(v: Any) -> str | None:
@@ -106,23 +145,37 @@ def _opt_str(v: Any) -> str | None:
     raise _Invalid(f"expected str or nil, got {_kind(v)}")
 
 
-def _check_ints(v: list[Any]) -> None:
-    if v and set(map(type, v)) != {int}:
-        i = next(i for i, x in enumerate(v) if type(x) is not int)
-        raise _Invalid(f"element {i}: expected int, got {_kind(v[i])}")
+def _check_tokens(v: list[Any]) -> None:
+    """Every element an int in ``0..2**63-1``: one type pass, then min/max (C loops)."""
+    if v and (list(map(type, v)).count(int) != len(v) or min(v) < 0 or max(v) > _LONG_MAX):
+        for i, x in enumerate(v):
+            if type(x) is not int:
+                raise _Invalid(f"element {i}: expected int, got {_kind(x)}")
+            if not 0 <= x <= _LONG_MAX:
+                raise _Invalid(f"element {i}: {_out_of_range(x, 0, _LONG_MAX)}")
 
 
 def _int_list(v: Any) -> list[int]:
     if type(v) is not list:
         raise _Invalid(f"expected array of int, got {_kind(v)}")
-    _check_ints(v)
+    _check_tokens(v)
     return v
 
 
-def _opt_list(v: Any) -> list[Any] | None:
-    if v is None or type(v) is list:
+def _extra_keys(v: Any) -> list[Any] | None:
+    """Nil or an array of per-block values, each kept as msgpack: they must re-encode."""
+    if v is None:
         return v
-    raise _Invalid(f"expected array or nil, got {_kind(v)}")
+    if type(v) is not list:
+        raise _Invalid(f"expected array or nil, got {_kind(v)}")
+    if v.count(None) != len(v):  # GPU events without extra keys send [nil, ...]
+        for i, k in enumerate(v):
+            if k is not None:
+                try:
+                    _pack(k)
+                except _Invalid as exc:
+                    raise _Invalid(f"element {i}: {exc}") from None
+    return v
 
 
 def _opt_int_lists(v: Any) -> list[list[int]] | None:
@@ -144,14 +197,14 @@ _CONVERTERS: dict[str, _Converter] = {
     "block_hashes": _hash_list,
     "parent_block_hash": _opt_hash,
     "token_ids": _int_list,
-    "block_size": _int,
-    "lora_id": _opt_int,
+    "block_size": _block_size,
+    "lora_id": _opt_count,
     "medium": _opt_str,
     "lora_name": _opt_str,
-    "extra_keys": _opt_list,
-    "group_idx": _opt_int,
+    "extra_keys": _extra_keys,
+    "group_idx": _opt_count,
     "kv_cache_spec_kind": _opt_str,
-    "kv_cache_spec_sliding_window": _opt_int,
+    "kv_cache_spec_sliding_window": _opt_count,
     "locality": _opt_str,
     "ownership": _opt_str,
     "session_id": _opt_str,
@@ -159,12 +212,36 @@ _CONVERTERS: dict[str, _Converter] = {
 }
 
 
+def _check_stored(ev: BlockStored) -> None:
+    """``block_size`` 0 only for an offloading placeholder: one without token ids (spec §8)."""
+    if ev.block_size == 0 and ev.token_ids:
+        raise _Invalid(
+            f"field 'block_size': value out of range: 0 with {len(ev.token_ids)} token_ids "
+            "(must be >= 1; 0 only for an offloading placeholder, without token_ids)"
+        )
+
+
 class _Shape:
     """How to decode one known event type: field names/converters in array order."""
 
-    __slots__ = ("cls", "names", "converters", "pairs", "required", "required_names", "known")
+    __slots__ = (
+        "cls",
+        "names",
+        "converters",
+        "pairs",
+        "required",
+        "required_names",
+        "known",
+        "check",
+    )
 
-    def __init__(self, cls: type, names: tuple[str, ...], required: int) -> None:
+    def __init__(
+        self,
+        cls: type,
+        names: tuple[str, ...],
+        required: int,
+        check: Callable[[Any], None] | None = None,
+    ) -> None:
         self.cls = cls
         self.names = names
         self.converters = tuple(_CONVERTERS[n] for n in names)
@@ -172,11 +249,14 @@ class _Shape:
         self.required = required  # the first `required` fields must be present
         self.required_names = names[:required]
         self.known = frozenset(names) | {"type"}
+        self.check = check  # constraints across fields, on the built event
 
 
 _SHAPES: dict[str, _Shape] = {
     # Fields were only ever appended, so one positional table serves every release.
-    "BlockStored": _Shape(BlockStored, tuple(f.name for f in BLOCK_STORED_FIELDS), 4),
+    "BlockStored": _Shape(
+        BlockStored, tuple(f.name for f in BLOCK_STORED_FIELDS), 4, _check_stored
+    ),
     "BlockRemoved": _Shape(BlockRemoved, tuple(f.name for f in BLOCK_REMOVED_FIELDS), 1),
     "AllBlocksCleared": _Shape(AllBlocksCleared, (), 0),
 }
@@ -275,7 +355,10 @@ def _event(ev: Any) -> VllmEvent:
         shape = _SHAPES.get(tag)
         if shape is None:
             return UnknownEvent(tag, _pack(ev))
-        return _from_array(shape, ev)
+        out = _from_array(shape, ev)
+        if shape.check is not None:
+            shape.check(out)
+        return out
     if t is dict:
         if "type" not in ev:
             raise _Invalid("event map has no 'type' key")
@@ -285,7 +368,10 @@ def _event(ev: Any) -> VllmEvent:
         shape = _SHAPES.get(tag)
         if shape is None:
             return UnknownEvent(tag, _pack(ev))
-        return _from_map(shape, ev)
+        out = _from_map(shape, ev)
+        if shape.check is not None:
+            shape.check(out)
+        return out
     raise _Invalid(f"expected an event array or map, got {_kind(ev)}")
 
 
@@ -299,17 +385,26 @@ def decode_event(obj: Any) -> VllmEvent:
 
 
 def _ts(v: Any) -> float:
-    if type(v) is float:
-        return v
-    if type(v) is int:
-        return float(v)
+    t = type(v)
+    if t is float:
+        if isfinite(v):
+            return v
+        raise DecodeError(f"envelope: field 'ts': value out of range: {v} (must be finite)")
+    if t is int:
+        return float(v)  # msgpack ints (< 2**64) are finite floats
     raise DecodeError(f"envelope: field 'ts': expected a number, got {_kind(v)}")
 
 
 def _dp_rank(v: Any) -> int | None:
-    if v is None or type(v) is int:
+    if v is None:
         return v
-    raise DecodeError(f"envelope: field 'data_parallel_rank': expected int or nil, got {_kind(v)}")
+    if type(v) is not int:
+        raise DecodeError(
+            f"envelope: field 'data_parallel_rank': expected int or nil, got {_kind(v)}"
+        )
+    if 0 <= v <= _INT_MAX:
+        return v
+    raise DecodeError(f"envelope: field 'data_parallel_rank': {_out_of_range(v, 0, _INT_MAX)}")
 
 
 def _envelope_extra(name: str, value: Any) -> bytes:

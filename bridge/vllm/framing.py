@@ -6,6 +6,9 @@ identity frame first. Replay reply (as received on the DEALER): one message per
 buffered batch, ``[b"", seq8, payload]`` before 0.26.0 and
 ``[b"", topic, seq8, payload]`` from 0.26.0, then an end marker whose sequence
 frame is ``END_SEQ``.
+
+Received batches' seqs must be below 2**63: the record schema's ``seq`` is an Avro long,
+and vLLM counts from 0, so a larger one is a corrupt frame (FrameError), not a batch.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ END_SEQ = b"\xff" * 8
 """Sequence frame of the replay end marker: ``(-1).to_bytes(8, "big", signed=True)``."""
 
 _MAX_SEQ = (1 << 64) - 1
+_MAX_BATCH_SEQ = (1 << 63) - 1  # Avro long: the highest seq a record can carry
 
 
 class FrameError(ValueError):
@@ -77,6 +81,14 @@ def _seq_of(frame: bytes, what: str) -> int:
     return int.from_bytes(frame, "big")
 
 
+def _batch_seq(seq: int, what: str) -> int:
+    if seq > _MAX_BATCH_SEQ:
+        raise FrameError(
+            f"{what}: value out of range: seq {seq} (must be <= 2**63-1, an Avro long)"
+        )
+    return seq
+
+
 def parse_live(frames: Sequence[bytes]) -> LiveMessage:
     """A PUB message ``[topic, seq8, payload]``; FrameError for any other shape."""
     if len(frames) != 3:
@@ -84,7 +96,8 @@ def parse_live(frames: Sequence[bytes]) -> LiveMessage:
             f"live message: expected 3 frames [topic, seq, payload], got {len(frames)}"
         )
     topic, seq, payload = frames
-    return LiveMessage(bytes(topic), _seq_of(seq, "live message"), bytes(payload))
+    seq_n = _batch_seq(_seq_of(seq, "live message"), "live message")
+    return LiveMessage(bytes(topic), seq_n, bytes(payload))
 
 
 def live_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
@@ -130,7 +143,7 @@ def parse_replay_reply(frames: Sequence[bytes]) -> ReplayBatch | ReplayEnd:
     if seq == _MAX_SEQ:
         return REPLAY_END
     topic = bytes(frames[1]) if len(frames) == 4 else None
-    return ReplayBatch(topic, seq, bytes(frames[-1]))
+    return ReplayBatch(topic, _batch_seq(seq, "replay reply"), bytes(frames[-1]))
 
 
 def replay_reply_frames(
