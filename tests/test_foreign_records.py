@@ -253,3 +253,19 @@ def test_state_serve_goes_on_past_foreign_records_and_reports_them(topics, kafka
         server.server_close()
         live.stop()
     assert live.error is None
+
+
+def test_skip_warnings_are_rate_limited_and_name_topic_partition_offset(caplog):
+    from bridge.consumer import Undecodable
+
+    u = Undecodable("kv-events", interval=3600)
+    with caplog.at_level("WARNING", logger="bridge.consumer"):
+        for off in range(8):
+            u.add(1, off, "null value (a tombstone)")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "kv-events partition 1 offset 0: skipped, not a kv-events record this reader can "
+        "decode (null value (a tombstone)); 1 skipped so far"
+    ]
+    assert u.count == 8 and u.samples()[-1] == "1:4: null value (a tombstone)"
+    assert len(u.first) == Undecodable.KEEP
