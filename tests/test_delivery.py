@@ -401,6 +401,9 @@ def crash_and_resume(
             bridge.kill()
             bridge = br.start()
         records = wait_complete(bootstrap, topic, fleet, bridge, committed=exactly_once)
+        # The topic may be complete before the last bridge has even installed its SIGTERM
+        # handler (Python still starting): SIGTERM it once it is at work.
+        wait_progress(bridge, len(pods))
         bridge.stop_gracefully()
         sent = fleet.sent()
     if exactly_once:
