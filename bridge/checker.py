@@ -130,6 +130,8 @@ class CheckReport:
     undecodable: int = 0
     allow_duplicates: bool = False
     sent_differences: list[str] | None = None  # None: no sent-log compared
+    # "partition:offset: reason" of the first few undecodable records
+    undecodable_samples: list[str] = field(default_factory=list)
 
     @property
     def events(self) -> int:
@@ -230,6 +232,16 @@ class CheckReport:
             )
         return f"FAIL: {', '.join(problems)} ({self._summary()})"
 
+    def undecodable_details(self) -> list[str]:
+        """The undecodable records: how many, then the first few (partition:offset: why)."""
+        if not self.undecodable:
+            return []
+        out = [f"{_plural(self.undecodable, 'record')} could not be decoded (skipped)"]
+        out.extend(f"undecodable at {s}" for s in self.undecodable_samples)
+        if self.undecodable > len(self.undecodable_samples):
+            out.append(f"... and {self.undecodable - len(self.undecodable_samples)} more")
+        return out
+
     def details(self) -> list[str]:
         """One line per problem (stream, epoch, seq range), then the lost ranges (for info)."""
         out: list[str] = []
@@ -252,8 +264,7 @@ class CheckReport:
                     lost.append(f"{s.name} epoch {epoch}: ends after seq {lo - 1} ({reason})")
                 else:
                     lost.append(f"{s.name} epoch {epoch}: lost {_seqs(lo, hi)}: {reason}")
-        if self.undecodable:
-            out.append(f"{_plural(self.undecodable, 'record')} could not be decoded (skipped)")
+        out.extend(self.undecodable_details())
         out.extend(f"sent-log: {d}" for d in self.sent_differences or ())
         return out + lost
 
@@ -617,6 +628,7 @@ class TopicChecker:
         self.allow_duplicates = allow_duplicates
         self.records = 0
         self.undecodable = 0  # set by the reader's owner: records it could not decode
+        self.undecodable_samples: list[str] = []  # and where the first few are, and why
         self._streams: dict[StreamKey, _Stream] = {}
         self._by_pod: dict[str, list[_Stream]] = {}
         self._sent = None if sent is None else SentComparer(sent)
@@ -672,6 +684,7 @@ class TopicChecker:
             streams={k: s.build() for k, s in self._streams.items()},
             records=self.records,
             undecodable=self.undecodable,
+            undecodable_samples=list(self.undecodable_samples),
             allow_duplicates=self.allow_duplicates,
             sent_differences=None if self._sent is None else self._sent.differences(),
         )
@@ -966,6 +979,7 @@ def check_topic(
             if only is None or cr.record.envelope.pod in only:
                 checker.add(cr.record)
         checker.undecodable = reader.skipped
+        checker.undecodable_samples = reader.undecodable.samples()
     if progress is not None:
         progress(n)
     return checker.report()
@@ -975,7 +989,9 @@ DESCRIPTION = """\
 Read the whole topic and verify the data contract for every (pod, rank) stream: each epoch
 opened by StreamStarted/PublisherRestarted, every batch seq accounted for exactly once (its
 events, indices 0..n-1, or one EventsLost range), seqs in order, no duplicates. Prints one
-line (OK/FAIL with totals) and exits 0 when the topic is sound, 1 otherwise.
+line (OK/FAIL with totals) and exits 0 when the topic is sound, 1 otherwise. A record that
+is not a kv-events record (a tombstone, another producer's bytes) is skipped, listed with
+its partition:offset and why, and fails the check.
 
   kvbridge check --topic kv-events -v
   kvbridge check --allow-duplicates           # at-least-once: duplicates are not a failure
@@ -1056,7 +1072,7 @@ def run(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.clear()
     print(report.verdict())
-    if args.verbose:
-        for line in report.details():
-            print(f"  {line}")
+    # Records that are not kv-events records are always listed: an operator must know.
+    for line in report.details() if args.verbose else report.undecodable_details():
+        print(f"  {line}")
     return 0 if report.ok else 1

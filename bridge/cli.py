@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
@@ -49,6 +50,9 @@ from bridge.configcheck import (
 from bridge.logsetup import setup_logging
 
 log = logging.getLogger("kvbridge")
+
+UNACKNOWLEDGED_EXIT = 4  # stopped with records Kafka did not acknowledge (checkpoints before them)
+SHUTDOWN_GRACE = 10.0  # after --shutdown-timeout: the last resort exits without waiting more
 
 DESCRIPTION = """\
 kvbridge follows vLLM engines' KV-cache event streams (ZeroMQ PUB + replay ROUTER), keeps
@@ -95,7 +99,9 @@ pub/replay are vLLM's kv-events `endpoint` and `replay_endpoint` as seen from th
 (vLLM binds them when they contain '*'). With dp=N, rank r uses port+r on both. Without
 replay=, gaps cannot be recovered and are written as EventsLost markers.
 
-SIGINT/SIGTERM: stop reading, flush Kafka, exit 0.""",
+SIGINT/SIGTERM: stop reading, flush Kafka, checkpoint, exit 0 within --shutdown-timeout.
+Exit code 4: Kafka did not acknowledge some records in time (e.g. the broker is down); they
+were dropped, the checkpoints stay before them and the next start re-reads them.""",
     )
     run.add_argument("--config", metavar="FILE", help="TOML settings file (env KVBRIDGE_CONFIG)")
     add_kafka_args(
@@ -562,7 +568,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         log.info("%s: stopping (flushing Kafka)", signal.Signals(signum).name)
         if discovery is not None:
             discovery.stop()  # no pods added or removed while the bridge closes
+        if not bridge.stop.is_set():
+            last_resort = threading.Timer(cfg.shutdown_timeout + SHUTDOWN_GRACE, _give_up)
+            last_resort.daemon = True
+            last_resort.start()
         bridge.stop.set()
+
+    def _give_up() -> None:
+        """Shutdown is bounded even if something blocks that should not (a full producer
+        queue with Kafka down, a library call): checkpoints are only ever written for
+        acknowledged batches, so exiting here loses nothing a restart cannot re-read."""
+        log.error(
+            "shutdown did not finish within --shutdown-timeout (%gs) + %gs; exiting now "
+            "(exit code %d): unacknowledged records are dropped, the checkpoints stay at the "
+            "last acknowledged batch and the next start re-reads the rest",
+            cfg.shutdown_timeout,
+            SHUTDOWN_GRACE,
+            UNACKNOWLEDGED_EXIT,
+        )
+        logging.shutdown()
+        os._exit(UNACKNOWLEDGED_EXIT)
 
     discovery: Any = None
 
@@ -596,6 +621,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if discovery is not None:
             discovery.stop()
             discovery.join(10)
+    if bridge.unacknowledged:
+        log.info("stopped with %d records not acknowledged (exit code 4)", bridge.unacknowledged)
+        return UNACKNOWLEDGED_EXIT
     log.info("stopped")
     return 0
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from bridge.records import Record, RecordCodec, RecordError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConsumedRecord", "ReaderError", "StartAt", "StopAt", "TopicReader"]
+__all__ = ["ConsumedRecord", "ReaderError", "StartAt", "StopAt", "TopicReader", "Undecodable"]
 
 
 class ReaderError(RuntimeError):
@@ -125,6 +126,49 @@ class StopAt:
         return cls(timestamp_ms=timestamp_ms)
 
 
+class Undecodable:
+    """Records a reader skipped because it cannot decode them (a null value, bytes another
+    producer wrote, an unknown schema, a truncated body): how many, where the first few are
+    and why, and a warning for each, rate-limited to one per ``interval`` seconds (with the
+    count of those not logged in between)."""
+
+    KEEP = 5  # (partition, offset, reason) kept for reports
+
+    def __init__(self, topic: str, interval: float = 10.0) -> None:
+        self.topic = topic
+        self.count = 0
+        self.first: list[tuple[int, int, str]] = []
+        self._interval = interval
+        self._logged_at: float | None = None
+        self._not_logged = 0
+
+    def add(self, partition: int, offset: int, reason: str) -> None:
+        self.count += 1
+        if len(self.first) < self.KEEP:
+            self.first.append((partition, offset, reason))
+        now = time.monotonic()
+        if self._logged_at is not None and now - self._logged_at < self._interval:
+            self._not_logged += 1
+            return
+        self._logged_at = now
+        more = f"; {self._not_logged} more since the last warning" if self._not_logged else ""
+        self._not_logged = 0
+        log.warning(
+            "%s partition %d offset %d: skipped, not a kv-events record this reader can decode "
+            "(%s); %d skipped so far%s",
+            self.topic,
+            partition,
+            offset,
+            reason,
+            self.count,
+            more,
+        )
+
+    def samples(self) -> list[str]:
+        """``partition:offset: reason`` of the first few skipped records."""
+        return [f"{p}:{o}: {why}" for p, o, why in self.first]
+
+
 def records_of(msgs: list[Any]) -> Iterator[Any]:
     """The messages of a ``consume()`` that carry records: a fatal client error raises,
     others (a broker briefly away, ...) are logged and skipped."""
@@ -148,7 +192,8 @@ class TopicReader:
 
     After (or during) a read: ``next_offsets`` {partition: the offset after the last
     record read}, ``start_offsets`` and ``end_offsets`` (where each partition started and
-    where it stops; None while following without a bound), ``records_read``, ``skipped``.
+    where it stops; None while following without a bound), ``records_read``, ``skipped``
+    (records that could not be decoded; ``undecodable`` says where and why).
     In :meth:`read_group` these cover the partitions the member owns now (``assigned``).
     ``before_commit``: called before every commit (e.g. to flush output the commit vouches
     for).
@@ -179,7 +224,7 @@ class TopicReader:
         conf.setdefault("logger", librdkafka_logger())
         self.consumer = Consumer(conf)
         self.codec = codec or RecordCodec()
-        self.skipped = 0
+        self.undecodable = Undecodable(topic)
         self.records_read = 0
         self.next_offsets: dict[int, int] = {}
         self.start_offsets: dict[int, int] = {}
@@ -189,6 +234,11 @@ class TopicReader:
         self._cooperative = "cooperative" in str(conf.get("partition.assignment.strategy", ""))
         self._fallback = "beginning"
         self._stopping = threading.Event()
+
+    @property
+    def skipped(self) -> int:
+        """Records skipped because they could not be decoded (``undecodable`` has where)."""
+        return self.undecodable.count
 
     def close(self) -> None:
         self.consumer.close()
@@ -429,14 +479,13 @@ class TopicReader:
 
     def _take(self, msg: Any, p: int, off: int) -> ConsumedRecord | None:
         """Count the record at ``p``/``off`` as read and decode it; None (counted in
-        ``skipped``, logged) if it cannot be decoded."""
+        ``undecodable``, logged rate-limited) if it cannot be decoded."""
         self.next_offsets[p] = off + 1
         self.records_read += 1
         try:
             rec = self.codec.decode(msg.value())
         except RecordError as exc:
-            self.skipped += 1
-            log.warning("partition %d offset %d: skipped: %s", p, off, exc)
+            self.undecodable.add(p, off, str(exc))
             return None
         return ConsumedRecord(p, off, msg.timestamp()[1], rec)
 

@@ -395,8 +395,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
         out.flush()
         if args.group:
             rc = final_commit(reader)
-        if reader.skipped:
-            log.warning("%d records could not be read and were skipped", reader.skipped)
+        report_undecodable(reader)
     return rc
 
 
@@ -436,7 +435,22 @@ def replay_every(args: argparse.Namespace) -> float | None:
     return every
 
 
-def print_state(state: Any, args: argparse.Namespace, keys: list[int] | None) -> None:
+def report_undecodable(reader: Any) -> None:
+    """At the end of a read: how many records could not be decoded, and where the first are."""
+    u = reader.undecodable
+    if u.count:
+        log.warning(
+            "%d records of %s could not be decoded and were skipped (not kv-events records: "
+            "a tombstone, another producer's bytes, an unknown schema); first: %s",
+            u.count,
+            u.topic,
+            "; ".join(u.samples()),
+        )
+
+
+def print_state(
+    state: Any, args: argparse.Namespace, keys: list[int] | None, undecodable: int = 0
+) -> None:
     """The summary, the --json document or the --query result, on stdout. While following,
     a "== replay at TIME" line comes first and --json is one line per document."""
     out = sys.stdout
@@ -460,7 +474,9 @@ def print_state(state: Any, args: argparse.Namespace, keys: list[int] | None) ->
         s = state.summary()
         out.write(
             f"records applied: {s['records_applied']}   duplicates skipped: "
-            f"{s['duplicates_skipped']}   markers: {s['markers'] or 'none'}\n"
+            f"{s['duplicates_skipped']}   markers: {s['markers'] or 'none'}"
+            + (f"   undecodable skipped: {undecodable}" if undecodable else "")
+            + "\n"
         )
         out.write(
             f"{'pod':<20} {'rank':>4} {'epoch':>14} {'last_seq':>9} {'blocks':>8}  "
@@ -521,7 +537,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 save_snapshot()
             if progress.drawn:
                 progress.stream.write("\r\x1b[K")  # the bar's line, redrawn later
-            print_state(state, args, keys)
+            print_state(state, args, keys, reader.skipped)
 
     rc = 0
     with reader, sigterm_stops(args.follow):
@@ -546,8 +562,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             progress.done()
         if args.group:
             rc = final_commit(reader)
-        if reader.skipped:
-            log.warning("%d records could not be read and were skipped", reader.skipped)
+        report_undecodable(reader)
         if args.snapshot:
             offsets = save_snapshot()
             log.info(
@@ -557,5 +572,5 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 state.resident_blocks(),
                 ",".join(f"{p}:{o}" for p, o in sorted(offsets.items())),
             )
-    print_state(state, args, keys)
+    print_state(state, args, keys, reader.skipped)
     return rc

@@ -310,9 +310,17 @@ class RecordCodec:
             "(or set KVBRIDGE_SCHEMA_REGISTRY_URL)"
         )
 
-    def decode(self, value: bytes) -> Record:
+    def decode(self, value: bytes | None) -> Record:
         """A record from either framing: Avro single-object encoding (``C3 01`` + fingerprint)
-        or the Confluent wire format (``00`` + 4-byte big-endian schema id)."""
+        or the Confluent wire format (``00`` + 4-byte big-endian schema id).
+
+        Raises RecordError, and only that, for anything else: a null value (a tombstone),
+        bytes another producer wrote, an unknown schema, a truncated or corrupt body."""
+        if value is None:
+            raise RecordError("null value (a tombstone): kvbridge never writes one")
+        if not isinstance(value, bytes | bytearray | memoryview):
+            raise RecordError(f"value is {type(value).__name__}, not bytes")
+        value = bytes(value)
         if len(value) >= 10 and value[:2] == SINGLE_OBJECT_MAGIC:
             writer = self._readers.get(value[2:10])
             if writer is None:
@@ -332,7 +340,12 @@ class RecordCodec:
         try:
             d = schemaless_reader(io.BytesIO(body), writer, self.schema, return_record_name=True)
         except Exception as exc:  # fastavro raises many types on corrupt input
-            raise RecordError(f"corrupt Avro body: {exc}") from exc
-        name, ev = d.pop("event")
-        envelope = Envelope(**d)
-        return Record(envelope, event_from_avro(name, ev))
+            why = str(exc) or type(exc).__name__  # EOFError of a truncated body says nothing
+            raise RecordError(f"corrupt or truncated Avro body: {why}") from exc
+        try:
+            name, ev = d.pop("event")
+            return Record(Envelope(**d), event_from_avro(name, ev))
+        except RecordError:
+            raise
+        except (TypeError, ValueError, KeyError) as exc:  # a body that is not a kv-event
+            raise RecordError(f"not a kv-events record: {exc}") from exc

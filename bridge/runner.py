@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import zmq
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import Gauge
 
 from bridge.checkpoints import Checkpoint, checkpoint_key, load_checkpoints
@@ -83,6 +83,7 @@ class Bridge:
         self.sink.side_topics.add(self.checkpoint_topic)
         self.committed: dict[tuple[str, int], Checkpoint] = {}
         self._in_transaction = False
+        self.unacknowledged = 0  # after close(): records Kafka did not acknowledge in time
         self._lost_reported: set[tuple[str, int, int, int]] = set()
         self.streams: list[StreamSubscriber] = []
         self.pods: dict[str, PodConfig] = {}  # the pods followed (this shard's), by name
@@ -522,16 +523,27 @@ class Bridge:
             n += 1
         return n
 
-    def _commit(self) -> None:
-        """Exactly-once: checkpoints of what was delivered, then commit, all or nothing."""
+    COMMIT_SLICE = 1.0  # longest one commit_transaction call blocks (SIGTERM is seen between)
+
+    def _commit(self, deadline: float | None = None) -> bool:
+        """Exactly-once: checkpoints of what was delivered, then commit, all or nothing.
+
+        Retries while Kafka is unreachable, in slices of COMMIT_SLICE (librdkafka resumes a
+        commit that timed out), until it succeeds or the transaction aborts (True), or
+        until ``deadline`` (shutdown) passes or, without one, ``stop`` is set (False: the
+        transaction is still open; close() tries again within the shutdown timeout)."""
         pending = dict(self.committed)
         self._write_checkpoints("delivered")
+        started = time.monotonic()
+        last_log: float | None = None
         while True:
+            now = time.monotonic()
+            budget = self.config.commit_timeout if deadline is None else deadline - now
             try:
-                self.sink.commit(self.config.commit_timeout)
+                self.sink.commit(max(0.0, min(self.COMMIT_SLICE, budget)))
                 self.pipeline.produced = 0
                 self.pipeline.committed()
-                return
+                return True
             except KafkaException as exc:
                 err = exc.args[0]
                 self.sink.check_fatal()
@@ -543,12 +555,33 @@ class Bridge:
                     )
                     self.committed = pending
                     self.pipeline.aborted()
-                    self.sink.abort(self.config.commit_timeout)
+                    left = self.config.commit_timeout if deadline is None else deadline - now
+                    self.sink.abort(max(0.0, min(self.config.commit_timeout, left)))
                     self._rewind()
-                    return
+                    return True
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return False
+                if err.code() == KafkaError._TIMED_OUT:
+                    if last_log is None or now - last_log >= 10.0:
+                        last_log = now
+                        log.warning(
+                            "commit waiting for Kafka for %.0fs (%s); %d records in the open "
+                            "transaction",
+                            now - started,
+                            err.str(),
+                            self.pipeline.produced,
+                        )
+                    if deadline is None and self.stop.is_set():
+                        return False
+                    continue
                 log.warning("commit failed (%s); retrying", err.str())
-                if self.stop.wait(0.5) and not err.retriable():
-                    raise
+                if deadline is not None:
+                    time.sleep(min(0.5, max(0.0, deadline - now)))
+                elif self.stop.wait(0.5):
+                    if not err.retriable():
+                        raise
+                    return False
 
     def _rewind(self) -> None:
         """After an aborted transaction: reopen every stream at its last committed checkpoint
@@ -648,39 +681,67 @@ class Bridge:
             self.metrics.internal_errors.labels(pod).inc()
             log.exception("internal error while handling pod %s; continuing", pod)
 
+    CLOSE_TIMEOUT = 1.0  # after the shutdown timeout: releasing the producer (bridge/sink.py)
+
     def close(self) -> None:
         """Stop reading, then make what was read durable: flush and checkpoint (at-least-once)
-        or checkpoint and commit (exactly-once), within the shutdown timeout."""
-        deadline = time.monotonic() + self.config.shutdown_timeout
+        or checkpoint and commit (exactly-once), within the shutdown timeout.
+
+        Returns within the shutdown timeout plus a few seconds even when Kafka is down: what
+        Kafka has not acknowledged (committed) by then is dropped, ``unacknowledged`` says how
+        many records, and the checkpoints stay at the last acknowledged (committed) batch, so
+        the next start re-reads those batches from the engines' replay buffers."""
+        timeout = self.config.shutdown_timeout
+        deadline = time.monotonic() + timeout
         self._watch_stop.set()
         if self._watcher is not None:
-            self._watcher.join(self.PARTITION_CHECK_TIMEOUT + 5)  # before the producer closes
+            # before the producer closes
+            self._watcher.join(min(self.PARTITION_CHECK_TIMEOUT + 5, timeout))
         for s in self.streams:
             s.sync_metrics()
             s.close()
         for listener in self.listeners:
             listener.close()
         self.listeners.clear()
+        committed = True
         try:
             self.sink.poll(0)  # learn of a fatal error (fencing) before committing
             if self.sink.fatal is None:
                 if self._in_transaction:
-                    self._commit()
-                elif not self.exactly_once:
-                    self.sink.flush(max(0.0, deadline - time.monotonic()))
+                    committed = self._commit(deadline)
+                # At-least-once: checkpoints only if there is time left to deliver them (else
+                # they would be dropped with the rest; a full queue would not even take them).
+                elif not self.exactly_once and not self.sink.flush(
+                    max(0.0, deadline - time.monotonic())
+                ):
                     self._write_checkpoints("acked")
-            left = self.sink.flush(max(0.0, deadline - time.monotonic()))
-            if left:
-                log.error(
-                    "%d records were not acknowledged by Kafka before the shutdown timeout "
-                    "(%.0fs); the streams resume from their last checkpoint on the next start",
-                    left,
-                    self.config.shutdown_timeout,
-                )
+            self.sink.flush(max(0.0, deadline - time.monotonic()))
         finally:
             self.pipeline.flush_metrics()  # exact at the end: what was acked while flushing
             self.streams.clear()
-            self.sink.close()
+            open_txn = 0 if committed or self.sink.fatal is not None else self.pipeline.produced
+            left = self.sink.close(self.CLOSE_TIMEOUT)  # drops what is still not acknowledged
+            self.unacknowledged = max(left, open_txn)
+            if self.unacknowledged and self.exactly_once:
+                log.error(
+                    "shutdown: the open transaction (%d records) was not committed within "
+                    "--shutdown-timeout (%gs), Kafka unreachable; it is left to abort, and every "
+                    "stream resumes from its last committed checkpoint on the next start, "
+                    "re-reading those batches from the engines' replay buffers (what they no "
+                    "longer hold is written as EventsLost)",
+                    self.unacknowledged,
+                    timeout,
+                )
+            elif self.unacknowledged:
+                log.error(
+                    "shutdown: %d records were not acknowledged by Kafka within "
+                    "--shutdown-timeout (%gs) and are dropped; the checkpoints stay at each "
+                    "stream's last acknowledged batch, so the next start re-reads the rest from "
+                    "the engines' replay buffers (what they no longer hold is written as "
+                    "EventsLost)",
+                    self.unacknowledged,
+                    timeout,
+                )
             # destroy, not term: a socket left open by a failed open() would block term()
             self.ctx.destroy(linger=0)
 

@@ -43,6 +43,8 @@ _FENCED_CODES = {
     if hasattr(KafkaError, name)
 }
 
+_PURGED_CODES = {KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT}
+
 DeliveryFailed = Callable[[bytes | None, bytes | None, KafkaError], None]
 
 # librdkafka's message.max.bytes default, and the broker's max.message.bytes default.
@@ -121,6 +123,7 @@ class KafkaSink:
         self.client_limit = int(conf.get("message.max.bytes", CLIENT_MAX_MESSAGE_BYTES))
         self.topic_limits: dict[str, int] = {}
         self.refused_locally = False  # set while on_failure runs for a produce() refusal
+        self.purged = 0  # records dropped unacknowledged by close() (not failures: see there)
 
     def _on_client_error(self, err: KafkaError) -> None:
         if err.fatal():
@@ -257,6 +260,11 @@ class KafkaSink:
             if self._on_success is not None and msg.topic() not in self.side_topics:
                 self._on_success(msg.key())
             return
+        if err.code() in _PURGED_CODES:
+            # Dropped by close() after the shutdown timeout: not refused by Kafka, so not
+            # written as lost; the checkpoints stay before it and a restart re-reads it.
+            self.purged += 1
+            return
         self.failed += 1
         if err.code() in _FENCED_CODES and self.transactional_id and self.fatal is None:
             self.fatal = err
@@ -373,14 +381,43 @@ class KafkaSink:
     def pending(self) -> int:
         return len(self._producer)
 
-    def close(self) -> None:
-        """Release the producer (its threads stop reconnecting); call after the last flush."""
-        close = getattr(self._producer, "close", None)
-        if close is not None:
+    def close(self, timeout: float = 1.0) -> int:
+        """Release the producer (its threads stop reconnecting); call after the last flush.
+        Returns within about ``timeout`` even when Kafka is unreachable, and returns how many
+        records were still not acknowledged: those are purged, not delivered.
+
+        confluent-kafka's ``Producer.close()`` waits for every outstanding record and for
+        aborting the open transaction without a time limit, so with the broker down it never
+        returns. Here the records left are purged first (their delivery reports are served:
+        the caller's acknowledged positions and checkpoints stay before them), an open
+        transaction is aborted within ``timeout``, and if that fails the producer is released
+        without ``close()`` (librdkafka's destroy does not wait; the broker aborts the
+        transaction when the next producer with this id starts, or on its timeout).
+        """
+        producer = self._producer
+        left = len(producer)
+        if left:
+            try:
+                producer.purge(True, True, True)
+                producer.poll(0)  # the purged records' delivery reports (see _on_delivery)
+            except Exception as exc:  # a fenced or failed producer: nothing left to save
+                log.debug("purging the producer: %s", exc)
+        clean = True
+        if self.transactional_id:
+            try:
+                producer.abort_transaction(max(0.0, timeout))
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                clean = isinstance(err, KafkaError) and err.code() == KafkaError._STATE
+                if not clean:
+                    log.debug("aborting the open transaction at close: %s", exc)
+        close = getattr(producer, "close", None)
+        if close is not None and clean:
             try:
                 close()
             except Exception as exc:  # a fenced or failed producer: nothing left to save
                 log.debug("closing the producer: %s", exc)
+        return left
 
     def flush(self, timeout: float) -> int:
         """Wait for outstanding records; returns how many are still not acknowledged."""

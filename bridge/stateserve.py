@@ -7,8 +7,8 @@ handler threads answer from it under the same lock:
 - ``GET /pods``: per (pod, rank): blocks per medium, epoch, last seq, uncertain, staleness
 - ``GET /prefix?hashes=1,2,3[&medium=GPU]``, ``POST /prefix`` ``{"hashes": [...]}``: the
   longest cached prefix per (pod, rank), ranked
-- ``GET /healthz`` (the consumer runs), ``GET /readyz`` (caught up with the end of kv-events
-  seen at start)
+- ``GET /healthz`` (the consumer runs; with the count and first partition:offset of records
+  skipped as undecodable), ``GET /readyz`` (caught up with the end of kv-events seen at start)
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from bridge.config import KafkaUnreachable, kafka_unreachable
+from bridge.consumer import Undecodable
 from bridge.state import CacheState
 from bridge.statesync import PartitionWatch
 from bridge.statetopic import DEFAULT_STATE_TOPIC, EventTail, load_state
@@ -196,6 +197,7 @@ class LiveState:
         self.lag: dict[int, int] | None = None
         self.loaded_offsets: dict[int, int] = {}
         self.consumed = 0
+        self.undecodable: Undecodable | None = None  # the tail's: records it skipped
         self._thread = threading.Thread(target=self._run, name="state-consumer", daemon=True)
 
     def start(self) -> None:
@@ -227,6 +229,7 @@ class LiveState:
                     offsets,
                 )
             tail = EventTail(self.bootstrap, self.events_topic, offsets, self.overrides)
+            self.undecodable = tail.undecodable
             interval = self.partition_check_interval
             watch = PartitionWatch(interval, set(tail.partitions), time.monotonic() + interval)
             try:
@@ -268,6 +271,11 @@ class LiveState:
                 log.debug("state consumer failed", exc_info=True)  # the CLI says it in one line
             else:
                 log.exception("state consumer failed")
+
+    def skipped(self) -> dict[str, Any]:
+        """The kv-events records skipped as undecodable: how many, where the first are."""
+        u = self.undecodable
+        return {"count": u.count if u else 0, "first": u.samples() if u else []}
 
     def pods(self) -> dict[str, Any]:
         now = int(time.time() * 1000)
@@ -314,10 +322,19 @@ class _Handler(BaseHTTPRequestHandler):
                     why = repr(live.error) if live.error else "consumer thread stopped"
                     self._send(HTTPStatus.SERVICE_UNAVAILABLE, {"status": "failed", "error": why})
                 else:
-                    self._send(HTTPStatus.OK, {"status": "ok"})
+                    doc: dict[str, Any] = {"status": "ok"}
+                    skipped = live.skipped()
+                    if skipped["count"]:  # records skipped: the consumer goes on, but say so
+                        doc["undecodable"] = skipped
+                    self._send(HTTPStatus.OK, doc)
             elif url.path == "/readyz":
                 ready = live.ready.is_set()
-                doc = {"ready": ready, "lag": live.lag, "records_consumed": live.consumed}
+                doc = {
+                    "ready": ready,
+                    "lag": live.lag,
+                    "records_consumed": live.consumed,
+                    "records_undecodable": live.skipped()["count"],
+                }
                 self._send(HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE, doc)
             elif url.path == "/pods":
                 if url.query:

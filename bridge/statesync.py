@@ -25,7 +25,7 @@ import dataclasses
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,12 +253,24 @@ class StateTopicError(ValueError):
     """kv-state holds something a loader cannot use (e.g. offsets of another topic)."""
 
 
-def load(records: Iterable[Change], events_topic: str) -> tuple[StateSync, int]:
+def load(
+    records: Iterable[Change],
+    events_topic: str,
+    on_skip: Callable[[bytes | None, str], None] | None = None,
+) -> tuple[StateSync, int]:
     """Rebuild a :class:`StateSync` from kv-state's records in log order (compacted or not).
 
-    Returns it and the number of unreadable records (logged and skipped). Raises
-    StateTopicError if the offsets record belongs to a different events topic."""
-    latest: dict[bytes, bytes] = {}
+    Returns it and the number of unreadable records (skipped; each is passed to ``on_skip``
+    as (key, reason), else logged). Raises StateTopicError if the offsets record belongs to
+    a different events topic."""
+
+    def skip(raw_key: bytes | None, why: str) -> None:
+        if on_skip is not None:
+            on_skip(raw_key, why)
+        else:
+            log.warning("kv-state record %r unreadable (%s); skipped", (raw_key or b"")[:200], why)
+
+    latest: dict[bytes | None, bytes] = {}
     for k, v in records:
         if v is None:
             latest.pop(k, None)
@@ -267,7 +279,7 @@ def load(records: Iterable[Change], events_topic: str) -> tuple[StateSync, int]:
     sync = StateSync(events_topic)
     state = sync.state
     skipped = 0
-    blocks: list[tuple[list[Any], dict[str, Any]]] = []
+    blocks: list[tuple[list[Any], dict[str, Any], bytes | None]] = []
     names = {f.name for f in dataclasses.fields(StreamState)} - {"tiers"}
     for raw_key, raw_value in latest.items():
         try:
@@ -276,7 +288,8 @@ def load(records: Iterable[Change], events_topic: str) -> tuple[StateSync, int]:
             kind = key[0]
             if kind == "block":
                 _, pod, rank, medium, group, h = key
-                blocks.append(([str(pod), int(rank), medium, group, bytes.fromhex(h)], value))
+                where = [str(pod), int(rank), medium, group, bytes.fromhex(h)]
+                blocks.append((where, value, raw_key))
             elif kind == "stream":
                 sk = (str(key[1]), int(key[2]))
                 st = StreamState(**{n: v for n, v in value.items() if n in names})
@@ -302,15 +315,15 @@ def load(records: Iterable[Change], events_topic: str) -> tuple[StateSync, int]:
                 raise ValueError(f"unknown record kind {kind!r}")
         except StateTopicError:
             raise
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
-            skipped += 1
-            log.warning("kv-state record %r unreadable (%s); skipped", raw_key[:200], exc)
-    for (pod, rank, medium, group, h), value in blocks:
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            skipped += 1  # not written by state-sync (another producer's bytes, a null key)
+            skip(raw_key, f"{type(exc).__name__}: {exc}")
+    for (pod, rank, medium, group, h), value, raw in blocks:
         try:
             parent = None if value["parent"] is None else bytes.fromhex(value["parent"])
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
             skipped += 1
-            log.warning("kv-state block %s unreadable (%s); skipped", h.hex(), exc)
+            skip(raw, f"block {h.hex()}: {type(exc).__name__}: {exc}")
             continue
         st = state.streams.get((pod, rank))
         if st is None:

@@ -30,7 +30,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from bridge.consumer import records_of
+from bridge.consumer import Undecodable, records_of
 from bridge.logsetup import librdkafka_logger
 from bridge.records import Record, RecordCodec, RecordError
 from bridge.sink import ensure_topic
@@ -100,6 +100,7 @@ def read_state_records(
     overrides: dict[str, Any] | None = None,
     timeout: float = 120.0,
     idle_polls: int = 2,
+    offsets: list[int] | None = None,
 ) -> list[Change]:
     """The state topic's committed records, in log order, up to a transaction boundary.
 
@@ -107,7 +108,8 @@ def read_state_records(
     offsets record, which state-sync writes last in every transaction: never inside one,
     even when a fetch delivers a transaction in parts. When the position cannot reach the
     end (transaction markers, an open transaction of a state-sync that crashed mid-commit),
-    it stops at the last boundary after ``idle_polls`` polls without records."""
+    it stops at the last boundary after ``idle_polls`` polls without records. ``offsets``:
+    filled with each record's offset (in the same order)."""
     consumer = _consumer(bootstrap, overrides, "state-load")
     out: list[Change] = []
     try:
@@ -126,6 +128,7 @@ def read_state_records(
         consumer.assign([TopicPartition(state_topic, 0, lo)])
         deadline = time.monotonic() + timeout
         at_boundary = False  # the last record read was an offsets record
+        whole = 0  # records up to the last offsets record (whole transactions)
         idle = 0
         while True:
             if time.monotonic() > deadline:
@@ -137,10 +140,31 @@ def read_state_records(
             msgs = consumer.consume(5000, timeout=0.5)
             for msg in records_of(msgs):
                 out.append((msg.key(), msg.value()))
+                if offsets is not None:
+                    offsets.append(msg.offset())
                 at_boundary = msg.key() == OFFSETS_KEY
+                if at_boundary:
+                    whole = len(out)
             idle = 0 if msgs else idle + 1
             if not at_boundary:
-                continue  # inside a transaction: its rest is committed and on its way
+                (pos,) = consumer.position([tp])
+                if pos.offset < end:
+                    continue  # inside a transaction: its rest is committed and on its way
+                # Every transaction before the end is decided and state-sync ends each with an
+                # offsets record: records after the last one were written by someone else.
+                if len(out) > whole:
+                    log.warning(
+                        "state topic %s: %d records after the last state-sync transaction (offsets "
+                        "%s..%d) were not written by kvbridge state-sync; ignored",
+                        state_topic,
+                        len(out) - whole,
+                        offsets[whole] if offsets is not None else "?",
+                        end - 1,
+                    )
+                del out[whole:]
+                if offsets is not None:
+                    del offsets[whole:]
+                break
             (pos,) = consumer.position([tp])
             if pos.offset >= end:
                 break
@@ -163,12 +187,23 @@ def load_state(
     overrides: dict[str, Any] | None = None,
 ) -> StateSync:
     """The state and kv-events offsets the state topic holds (empty if it does not exist)."""
-    records = read_state_records(bootstrap, state_topic, overrides)
+    offsets: list[int] = []
+    records = read_state_records(bootstrap, state_topic, overrides, offsets=offsets)
     if not records:
         log.info("state topic %s is empty or missing: the state starts empty", state_topic)
-    sync, skipped = load(records, events_topic)
+    where = {key: off for (key, _), off in zip(records, offsets, strict=True)}  # the latest
+    undecodable = Undecodable(state_topic)
+    sync, skipped = load(
+        records, events_topic, lambda key, why: undecodable.add(0, where.get(key, -1), why)
+    )
     if skipped:
-        log.warning("state topic %s: %d unreadable records skipped", state_topic, skipped)
+        log.warning(
+            "state topic %s: %d records not written by kvbridge state-sync were skipped "
+            "(first: %s)",
+            state_topic,
+            skipped,
+            "; ".join(undecodable.samples()),
+        )
     return sync
 
 
@@ -207,7 +242,7 @@ class EventTail:
         self.topic = topic
         self.consumer = _consumer(bootstrap, overrides, "state-tail")
         self.codec = RecordCodec()
-        self.skipped = 0
+        self.undecodable = Undecodable(topic)
         md = self.consumer.list_topics(topic, timeout=10).topics.get(topic)
         if md is None or md.error is not None or not md.partitions:
             self.consumer.close()
@@ -264,11 +299,15 @@ class EventTail:
             try:
                 rec: Record | None = self.codec.decode(msg.value())
             except RecordError as exc:
-                self.skipped += 1
-                log.warning("%s partition %d offset %d: skipped: %s", self.topic, p, off, exc)
+                self.undecodable.add(p, off, str(exc))
                 rec = None
             out.append(TailedRecord(p, off, msg.timestamp()[1], rec))
         return out
+
+    @property
+    def skipped(self) -> int:
+        """Records skipped because they could not be decoded (``undecodable`` has where)."""
+        return self.undecodable.count
 
     def partition_ids(self, timeout: float = 5.0) -> set[int] | None:
         """The topic's partitions per fresh metadata from the broker; None if that is not
@@ -346,6 +385,7 @@ class StateSyncer:
         self.watch = PartitionWatch(partition_check_interval, set())
         self.producer: Producer | None = None
         self.tail: EventTail | None = None
+        self.undecodable: Undecodable | None = None  # the tail's: kv-events records skipped
         self.sync = StateSync(events_topic)
         self.pending = Pending()
         self.consumed = 0
@@ -379,6 +419,7 @@ class StateSyncer:
         self.sync = load_state(self.bootstrap, self.state_topic, self.events_topic, self.overrides)
         self.resumed_from = dict(self.sync.offsets)
         self.tail = EventTail(self.bootstrap, self.events_topic, self.sync.offsets, self.overrides)
+        self.undecodable = self.tail.undecodable
         self.watch = PartitionWatch(
             self.partition_check_interval,
             set(self.tail.partitions),
@@ -589,9 +630,13 @@ def run(args: argparse.Namespace) -> int:
         syncer.run(stop, until_caught_up=args.until_caught_up)
     finally:
         syncer.close()
+    skipped = syncer.undecodable
     log.info(
-        "state-sync stopped: %d records consumed, %d transactions, offsets %s",
+        "state-sync stopped: %d records consumed, %d undecodable skipped%s, %d transactions, "
+        "offsets %s",
         syncer.consumed,
+        skipped.count if skipped else 0,
+        f" (first: {'; '.join(skipped.samples())})" if skipped and skipped.count else "",
         syncer.commits,
         syncer.sync.offsets,
     )

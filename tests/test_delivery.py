@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -400,6 +401,9 @@ def crash_and_resume(
             bridge.kill()
             bridge = br.start()
         records = wait_complete(bootstrap, topic, fleet, bridge, committed=exactly_once)
+        # The topic may be complete before the last bridge has even installed its SIGTERM
+        # handler (Python still starting): SIGTERM it once it is at work.
+        wait_progress(bridge, len(pods))
         bridge.stop_gracefully()
         sent = fleet.sent()
     if exactly_once:
@@ -602,6 +606,63 @@ def test_sigterm_flushes_and_checkpoints(kafka_bootstrap, make_topic, tmp_path, 
     if exactly_once:
         assert report.duplicates == 0, summary
     assert dict(report.markers) == {"StreamStarted": 3}, summary
+
+
+UNACKNOWLEDGED_EXIT_CODE = 4
+
+
+@pytest.mark.parametrize("exactly_once", [False, True], ids=["at-least-once", "exactly-once"])
+def test_sigterm_with_the_broker_down_exits_within_the_shutdown_timeout(tmp_path, exactly_once):
+    """The broker is killed while the pods publish, then the bridge gets SIGTERM: it exits
+    within --shutdown-timeout (plus slack) with code 4 and a log line counting the records
+    Kafka never acknowledged. With the broker back, a restarted bridge resumes from the last
+    acknowledged (committed) checkpoints: the topic ends complete, nothing lost."""
+    pods = specs("down", pods=2, rate=50, batches=1000)  # 20 s of publishing
+    extra = ["--shutdown-timeout", f"{SHUTDOWN_TIMEOUT:g}s"]
+    if exactly_once:
+        extra.append("--exactly-once")
+    with (
+        KafkaBroker() as broker,  # its own: killed below
+        SimulatedFleet(*pods) as fleet,
+        Bridges(tmp_path, broker.bootstrap, "down", fleet, *extra) as br,
+    ):
+        bridge = br.start()
+        names = [p.name for p in pods]
+        wait_checkpoints(broker.bootstrap, "down.checkpoints", names, bridge, exactly_once)
+        broker.kill()
+
+        def stuck() -> bool:  # the bridge holds records Kafka cannot take
+            bridge.assert_alive()
+            if exactly_once:
+                return "commit waiting for Kafka" in bridge.stderr()
+            return bridge.metrics().get("kvbridge_producer_queue", 0) > 0
+
+        wait_for(stuck, 60, "records waiting for the killed broker")
+        code, took = bridge.terminate(SHUTDOWN_TIMEOUT + EXIT_SLACK)
+        assert code == UNACKNOWLEDGED_EXIT_CODE, (
+            f"SIGTERM with the broker down: exit code {code} after {took:.1f}s; {bridge.describe()}"
+        )
+        # e.g. "shutdown: 88 records were not acknowledged ..." or "shutdown: the open
+        # transaction (12 records) was not committed ...", then how a restart resumes.
+        found = re.search(
+            r"shutdown: (?:the open transaction \()?(\d+) records.*next start", bridge.stderr()
+        )
+        assert found, f"no log line counting the dropped records; {bridge.describe()}"
+        dropped = int(found[1])
+        assert dropped > 0, found[0]
+        broker.start()  # same port, same data
+        bridge = br.start()
+        records = wait_complete(broker.bootstrap, "down", fleet, bridge, committed=exactly_once)
+        bridge.stop_gracefully()
+        sent = fleet.sent()
+        report = check_topic(broker.bootstrap, "down", allow_duplicates=not exactly_once, sent=sent)
+    summary = f"{report.verdict()}; exited after {took:.1f}s with {dropped} records dropped"
+    print(summary)
+    assert compare_with_sent(records, sent) == [], summary
+    assert report.ok and report.lost_batches == 0, f"{summary}\n" + "\n".join(report.details())
+    if exactly_once:
+        assert report.duplicates == 0, summary
+    assert dict(report.markers) == {"StreamStarted": 2}, summary
 
 
 def test_a_record_kafka_refuses_becomes_events_lost(kafka_bootstrap, make_topic):
