@@ -107,8 +107,10 @@ def test_pods_to_kafka_and_back(kafka_bootstrap, tmp_path, drop_rate):
         # Every batch's lag from its vLLM timestamp to Kafka's acknowledgement was observed.
         assert m["kvbridge_e2e_lag_seconds_count"] == len([b for b in sent if b["events"]])
         if drop_rate:
-            m = wait_for(lambda: (m := scrape()).get("kvbridge_gaps_total") and m, 10, "gaps")
-            assert m['kvbridge_replays_total{outcome="succeeded"}'] >= 1
+            # Dropped batches only come back by replay: after a live gap, or (a bridge slower
+            # to start than the pods, on a loaded machine) by the first contact's replay.
+            ok = 'kvbridge_replays_total{outcome="succeeded"}'
+            wait_for(lambda: scrape().get(ok, 0) >= 1, 10, "a successful replay")
         assert bridge.stop() == 0, bridge.output()
 
         check = run_cli(

@@ -216,8 +216,12 @@ def test_info_logs_state_changes_not_events(kafka_bootstrap, make_topic):
         r.getMessage() for r in small if r.levelno == logging.WARNING and "lost" in r.getMessage()
     ]
     assert len(lost) == 2 and all("batches 30..30 lost" in line for line in lost), lost
-    # Four times the events, the same state changes: the same lines.
-    assert templates(big) == templates(small), (templates(big), templates(small))
+    # Four times the events, the same state changes: the same lines. (Not exactly the same
+    # counts: how many replays a run asks for depends on timing, e.g. whether the SUB's
+    # connect event is seen before the first batches, which adds a reconnect check.)
+    big_t, small_t = templates(big), templates(small)
+    assert set(big_t) == set(small_t), (big_t, small_t)
+    assert all(n <= small_t[t] + 2 for t, n in big_t.items()), (big_t, small_t)
     assert len(lines) < 20, text
 
 

@@ -217,11 +217,23 @@ def test_a_member_falls_back_to_the_end_without_a_commit(kafka_bootstrap, make_t
         next(r.read_group())
 
 
+def _default_sigint() -> None:
+    # A test run started in the background of a non-interactive shell (CI, nohup ... &) hands
+    # its children SIGINT ignored, and Python then keeps it ignored: the Ctrl-C tests below
+    # would wait forever. Give the child the default a terminal user has.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def start_cli(args: list[str], out: Path, err: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(out, "wb") as o, open(err, "wb") as e:
         return subprocess.Popen(
-            [sys.executable, "-m", "bridge", *args], cwd=REPO, stdout=o, stderr=e, env=env
+            [sys.executable, "-m", "bridge", *args],
+            cwd=REPO,
+            stdout=o,
+            stderr=e,
+            env=env,
+            preexec_fn=_default_sigint,
         )
 
 
