@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 
 def hash_from_int(value: int) -> bytes:
     """Normal form of an integer hash (signed int64 or uint64): 8 bytes, unsigned BE."""
@@ -54,7 +56,39 @@ class BlockRemoved:
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
+    # Per hash, the copies of it the engine still holds after this remove (vllm#48933, an
+    # open PR: no release sends it yet). Not a field of the Avro schema: it travels in
+    # ``extra`` under its vLLM name, as any field unknown to the schema, and
+    # :mod:`bridge.records` lifts it here when the value is a list of ints.
+    remaining_copy_counts: list[int] | None = None
     extra: dict[str, bytes] = field(default_factory=dict)
+
+
+REMAINING_COPY_COUNTS = "remaining_copy_counts"
+
+
+def copy_counts(event: BlockRemoved) -> list[int] | None:
+    """``remaining_copy_counts`` of a remove: the typed field, else the preserved unknown
+    field of that name (msgpack), if it is a list of non-negative ints, one per hash."""
+    if event.remaining_copy_counts is not None:
+        return event.remaining_copy_counts
+    raw = event.extra.get(REMAINING_COPY_COUNTS)
+    return None if raw is None else parse_copy_counts(raw, len(event.block_hashes))
+
+
+def parse_copy_counts(raw: bytes, n_hashes: int) -> list[int] | None:
+    """The msgpack ``remaining_copy_counts`` value, or None if it is not one count per hash."""
+    try:
+        value = msgpack.unpackb(raw)
+    except Exception:  # malformed msgpack: leave it an unknown field
+        return None
+    if (
+        isinstance(value, list)
+        and len(value) == n_hashes
+        and all(type(v) is int and v >= 0 for v in value)
+    ):
+        return value
+    return None
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from bridge.cliargs import add_kafka_args, kafka_target, record_codec
+from bridge.cliargs import add_kafka_args, add_state_policy_arg, kafka_target, record_codec
 from bridge.config import ConfigError, parse_duration
 
 log = logging.getLogger("kvbridge")
@@ -152,6 +152,7 @@ def configure_reader_parser(p: argparse.ArgumentParser, name: str) -> None:
         "per pod and rank",
     )
     out.add_argument("--medium", help="with --query: only this tier, e.g. GPU")
+    add_state_policy_arg(p)
     out.add_argument(
         "--snapshot",
         metavar="FILE",
@@ -460,7 +461,9 @@ def print_state(state: Any, args: argparse.Namespace, keys: list[int] | None) ->
         s = state.summary()
         out.write(
             f"records applied: {s['records_applied']}   duplicates skipped: "
-            f"{s['duplicates_skipped']}   markers: {s['markers'] or 'none'}\n"
+            f"{s['duplicates_skipped']}   markers: {s['markers'] or 'none'}"
+            + (f"   stale epochs skipped: {s['stale_skipped']}" if s["stale_skipped"] else "")
+            + f"   policy: {s['policy']}\n"
         )
         out.write(
             f"{'pod':<20} {'rank':>4} {'epoch':>14} {'last_seq':>9} {'blocks':>8}  "
@@ -480,15 +483,15 @@ def print_state(state: Any, args: argparse.Namespace, keys: list[int] | None) ->
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from bridge.consumer import StartAt
-    from bridge.state import CacheState, SnapshotError
+    from bridge.state import DEFAULT_POLICY, CacheState, SnapshotError
 
     keys = parse_query(args.query) if args.query is not None else None
     every = replay_every(args)
-    state = CacheState()
+    state = CacheState(args.state_policy or DEFAULT_POLICY)
     snap_offsets: dict[int, int] = {}
     if args.from_snapshot:
         try:
-            state, snap_topic, snap_offsets = CacheState.load(args.from_snapshot)
+            state, snap_topic, snap_offsets = CacheState.load(args.from_snapshot, args.state_policy)
         except SnapshotError as exc:
             raise ConfigError(str(exc)) from None
         _, topic, _ = kafka_target(args)

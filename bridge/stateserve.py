@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from bridge.state import CacheState
+from bridge.state import DEFAULT_POLICY, CacheState
 from bridge.statesync import PartitionWatch
 from bridge.statetopic import DEFAULT_STATE_TOPIC, EventTail, load_state
 
@@ -179,15 +179,17 @@ class LiveState:
         state_topic: str | None = None,
         overrides: dict[str, Any] | None = None,
         partition_check_interval: float = 30.0,
+        policy: str | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.events_topic = events_topic
+        self.policy = policy
         # kv-events partitions added while serving are read from their beginning this often
         self.partition_check_interval = partition_check_interval
         self.state_topic = state_topic
         self.overrides = dict(overrides or {})
         self.lock = threading.Lock()
-        self.state = CacheState()
+        self.state = CacheState(policy or DEFAULT_POLICY)
         self.last_ts_ms: dict[StreamKey, int] = {}
         self.ready = threading.Event()
         self.stop_event = threading.Event()
@@ -214,7 +216,7 @@ class LiveState:
             offsets: dict[int, int] = {}
             if self.state_topic:
                 sync = load_state(
-                    self.bootstrap, self.state_topic, self.events_topic, self.overrides
+                    self.bootstrap, self.state_topic, self.events_topic, self.overrides, self.policy
                 )
                 with self.lock:
                     self.state, self.last_ts_ms = sync.state, dict(sync.last_ts_ms)
@@ -388,7 +390,7 @@ class StateServer(ThreadingHTTPServer):
 
 def configure_parser(sub: Any) -> None:
     """Add `kvbridge state` to the subcommands."""
-    from bridge.cliargs import add_kafka_args
+    from bridge.cliargs import add_kafka_args, add_state_policy_arg
 
     p = sub.add_parser(
         "state",
@@ -399,6 +401,7 @@ def configure_parser(sub: Any) -> None:
         "Without it, print the state once caught up, as JSON, and exit.",
     )
     add_kafka_args(p)
+    add_state_policy_arg(p)
     p.add_argument(
         "--state-topic",
         nargs="?",
@@ -424,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port {args.port}: must be 0..65535")
     if args.state_topic == topic:
         raise ConfigError("--state-topic must differ from --topic (kvbridge state-sync writes it)")
-    live = LiveState(bootstrap, topic, args.state_topic, overrides)
+    live = LiveState(bootstrap, topic, args.state_topic, overrides, policy=args.state_policy)
     if not args.serve:
         live.start()
         while not live.ready.wait(0.2):

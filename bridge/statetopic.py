@@ -157,12 +157,14 @@ def load_state(
     state_topic: str,
     events_topic: str,
     overrides: dict[str, Any] | None = None,
+    policy: str | None = None,
 ) -> StateSync:
-    """The state and kv-events offsets the state topic holds (empty if it does not exist)."""
+    """The state and kv-events offsets the state topic holds (empty if it does not exist).
+    ``policy``: the state policy (None: the one the state topic was built with)."""
     records = read_state_records(bootstrap, state_topic, overrides)
     if not records:
         log.info("state topic %s is empty or missing: the state starts empty", state_topic)
-    sync, skipped = load(records, events_topic)
+    sync, skipped = load(records, events_topic, policy)
     if skipped:
         log.warning("state topic %s: %d unreadable records skipped", state_topic, skipped)
     return sync
@@ -173,11 +175,12 @@ def bootstrap_state(
     state_topic: str = DEFAULT_STATE_TOPIC,
     events_topic: str = "kv-events",
     overrides: dict[str, Any] | None = None,
+    policy: str | None = None,
 ) -> tuple[CacheState, dict[int, int]]:
     """(state, {partition: next offset}): read the state topic to its end (read_committed);
     continue with kv-events records from exactly those offsets (partitions not in the dict:
     from their beginning) to have the state a full replay would build."""
-    sync = load_state(bootstrap, state_topic, events_topic, overrides)
+    sync = load_state(bootstrap, state_topic, events_topic, overrides, policy)
     return sync.state, dict(sync.offsets)
 
 
@@ -328,10 +331,12 @@ class StateSyncer:
         commit_interval: float = 0.2,
         commit_max: int = 50_000,
         partition_check_interval: float = 30.0,
+        policy: str | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.events_topic = events_topic
         self.state_topic = state_topic
+        self.policy = policy
         self.transactional_id = transactional_id or f"kvbridge-state-sync-{state_topic}"
         self.overrides = dict(overrides or {})
         self.commit_interval = commit_interval
@@ -342,7 +347,7 @@ class StateSyncer:
         self.watch = PartitionWatch(partition_check_interval, set())
         self.producer: Producer | None = None
         self.tail: EventTail | None = None
-        self.sync = StateSync(events_topic)
+        self.sync = StateSync(events_topic, policy=policy)
         self.pending = Pending()
         self.consumed = 0
         self.commits = 0
@@ -371,7 +376,9 @@ class StateSyncer:
                 f"could not start transactions (id {self.transactional_id!r}): "
                 f"{exc.args[0].str()}. The broker needs the transaction state log"
             ) from exc
-        self.sync = load_state(self.bootstrap, self.state_topic, self.events_topic, self.overrides)
+        self.sync = load_state(
+            self.bootstrap, self.state_topic, self.events_topic, self.overrides, self.policy
+        )
         self.resumed_from = dict(self.sync.offsets)
         self.tail = EventTail(self.bootstrap, self.events_topic, self.sync.offsets, self.overrides)
         self.watch = PartitionWatch(
@@ -504,7 +511,7 @@ class StateSyncer:
 
 def configure_parser(sub: Any) -> None:
     """Add `kvbridge state-sync` to the subcommands."""
-    from bridge.cliargs import add_kafka_args
+    from bridge.cliargs import add_kafka_args, add_state_policy_arg
     from bridge.config import parse_duration
 
     p = sub.add_parser(
@@ -516,6 +523,7 @@ def configure_parser(sub: Any) -> None:
         "the state topic on restart. See docs/state-topic.md.",
     )
     add_kafka_args(p)
+    add_state_policy_arg(p)
     p.add_argument(
         "--state-topic",
         default=DEFAULT_STATE_TOPIC,
@@ -571,6 +579,7 @@ def run(args: argparse.Namespace) -> int:
         overrides,
         commit_interval=args.commit_interval,
         partition_check_interval=args.partition_check_interval,
+        policy=args.state_policy,
     )
     stop = threading.Event()
 

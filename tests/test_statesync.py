@@ -79,7 +79,7 @@ def assert_same_state(got: CacheState, want: CacheState) -> None:
 
 
 def test_each_event_maps_to_its_block_records_and_tombstones():
-    s = StateSync("kv-events")
+    s = StateSync("kv-events", policy="set")
     c = s.apply(0, 0, 1000, rec(StreamStarted(0, "tcp://x"), index=-1))
     assert blocks_of(c) == []
     ((key, meta),) = decoded(c)
@@ -132,7 +132,7 @@ def test_each_event_maps_to_its_block_records_and_tombstones():
     assert s.state.resident("p", 1) == {(None, None): {H[4]}}
 
     # PodRemoved: every rank's blocks and stream records become tombstones.
-    c = s.apply(0, 12, 1012, rec(PodRemoved("gone"), index=-1))
+    c = s.apply(0, 12, 1012, rec(PodRemoved("gone"), index=-1, epoch=2))
     assert sorted(decoded(c), key=str) == sorted(
         [
             (("block", "p", 1, None, None, H[4].hex()), None),
