@@ -10,7 +10,15 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent, VllmEvent
+from bridge.events import (
+    REMAINING_COPY_COUNTS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    UnknownEvent,
+    VllmEvent,
+    copy_counts,
+)
 
 _HASH_FIELDS = ("block_hashes", "parent_block_hash")
 
@@ -33,8 +41,15 @@ def event_to_json(event: VllmEvent) -> dict[str, Any]:
         out["tag"] = event.tag
         out["raw"] = event.raw.hex()
         return out
+    counts = copy_counts(event) if isinstance(event, BlockRemoved) else None
     for f in fields(event):
         v = getattr(event, f.name)
+        if f.name == "remaining_copy_counts":
+            # One form whether it came typed (from Avro) or as vLLM's unknown field.
+            out[f.name] = counts
+            continue
+        if f.name == "extra" and counts is not None and REMAINING_COPY_COUNTS in v:
+            v = {k: b for k, b in v.items() if k != REMAINING_COPY_COUNTS}
         if f.name == "block_hashes":
             out[f.name] = [h.hex() for h in v]
         elif f.name == "parent_block_hash":

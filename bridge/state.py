@@ -138,8 +138,8 @@ class StreamState:
             self.store(tier_key, [h], parent)
         extra = self.copies.get(tier_key)
         if n == 1:
-            if extra:
-                extra.pop(h, None)
+            if extra and extra.pop(h, None) is not None and not extra:
+                del self.copies[tier_key]
         else:
             if extra is None:
                 extra = self.copies[tier_key] = {}
@@ -169,14 +169,16 @@ class StreamState:
                     extra[h] = n - 1  # type: ignore[index]
                 elif n == 2:
                     del extra[h]  # type: ignore[union-attr]
+                    if not extra:
+                        del self.copies[tier_key]
                 else:
                     self._drop(tier_key, tier, h)
 
     def _drop(self, tier_key: Tier, tier: dict[bytes, bytes | None], h: bytes) -> None:
         del tier[h]
         extra = self.copies.get(tier_key)
-        if extra:
-            extra.pop(h, None)
+        if extra and extra.pop(h, None) is not None and not extra:
+            del self.copies[tier_key]
         if len(h) != 8:
             idx = self.index[tier_key[0]]
             k = _key8(h)

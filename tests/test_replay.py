@@ -26,9 +26,12 @@ from bridge.simulator.pod import PodSpec, SimulatedFleet
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(240)]
 
+# Physical copies (prompts served again) and CPU chunks that overlap: what the default
+# policy counts exactly.
 CACHE = ModelConfig(
-    capacity=48, clear_prob=0.02, cpu_offload_prob=0.3, cpu_capacity=24, duplicate_prob=0.1
-)
+    capacity=48, clear_prob=0.02, cpu_offload_prob=0.3, cpu_capacity=24, repeat_prob=0.3,
+    offload_chunk_blocks=3,
+)  # fmt: skip
 SPECS = [
     # Dropped batches (recovered by replay), clears, a CPU tier.
     PodSpec(name="steady", release="0.33.0", rate=200, batches=120, drop_rate=0.05, seed=1,

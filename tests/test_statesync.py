@@ -359,7 +359,9 @@ def test_state_sync_resumes_and_consumers_stitch_exactly(kafka_bootstrap, make_t
                 restart_at_batches=frozenset({50}), wait_for_subscriber=True),
         # frequent clears, two DP ranks, a CPU tier
         PodSpec(name="clears", release="0.33.0", rate=40, batches=120, seed=2, dp_size=2,
-                cache=ModelConfig(clear_prob=0.05, cpu_offload_prob=0.3, duplicate_prob=0.1),
+                cache=ModelConfig(
+                    clear_prob=0.05, cpu_offload_prob=0.3, repeat_prob=0.3, offload_chunk_blocks=3
+                ),
                 wait_for_subscriber=True),
         # a range lost for good (never sent, never buffered): uncertain
         PodSpec(name="lossy", release="0.23.0", rate=40, batches=120, seed=3,
