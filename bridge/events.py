@@ -23,6 +23,39 @@ def hash_from_int(value: int) -> bytes:
     return (value % (1 << 64)).to_bytes(8, "big")
 
 
+def hash_text(block_hash: bytes) -> str:
+    """The one textual form of a hash, printed everywhere one is shown: ``0x`` and the
+    lowercase hex of its normal form (16 digits for vLLM's integer hashes)."""
+    return "0x" + block_hash.hex()
+
+
+def parse_hash_text(text: str) -> int:
+    """A hash as text -> vLLM's 64-bit key: :func:`hash_text`'s form (``0x`` and the hex of a
+    key or of a digest, whose key is its last 8 bytes), or a decimal key (signed or unsigned,
+    as vLLM sends them). ValueError with what to write instead."""
+    t = text.strip()
+    if t[:2].lower() == "0x":
+        digits = t[2:]
+        if not digits or len(digits) > 128:
+            raise ValueError(f"{text!r} is not a block hash")
+        raw = bytes.fromhex(
+            digits.rjust(16, "0")
+            if len(digits) <= 16
+            else digits.rjust(len(digits) + len(digits) % 2, "0")
+        )
+        return int.from_bytes(raw[-8:], "big")
+    try:
+        n = int(t, 10)
+    except ValueError:
+        hint = ""
+        if t and all(c in "0123456789abcdefABCDEF" for c in t):
+            hint = f" (hex is written with 0x: 0x{t})"
+        raise ValueError(f"{text!r} is not a block hash{hint}") from None
+    if not -(1 << 63) <= n < (1 << 64):
+        raise ValueError(f"{text!r} is out of the 64-bit range")
+    return n % (1 << 64)
+
+
 def key64(block_hash: bytes) -> int:
     """The 64-bit key vLLM sends in integer mode: the last 8 bytes, unsigned big-endian."""
     return int.from_bytes(block_hash[-8:], "big")

@@ -1,6 +1,7 @@
 """JSON rendering of events, shared by `kvbridge consume`, the simulator's sent-log and tests.
 
-Hashes and other bytes are lowercase hex strings. Arbitrary msgpack values (the
+Hashes are ``0x`` and lowercase hex (:func:`bridge.events.hash_text`, the form every hash
+reader accepts); other bytes are lowercase hex strings. Arbitrary msgpack values (the
 per-block ``extra_keys``) become JSON with bytes as ``{"$bytes": "<hex>"}``.
 Unknown fields (``extra``) stay hex of their msgpack encoding.
 """
@@ -18,6 +19,7 @@ from bridge.events import (
     UnknownEvent,
     VllmEvent,
     copy_counts,
+    hash_text,
 )
 
 _HASH_FIELDS = ("block_hashes", "parent_block_hash")
@@ -51,9 +53,9 @@ def event_to_json(event: VllmEvent) -> dict[str, Any]:
         if f.name == "extra" and counts is not None and REMAINING_COPY_COUNTS in v:
             v = {k: b for k, b in v.items() if k != REMAINING_COPY_COUNTS}
         if f.name == "block_hashes":
-            out[f.name] = [h.hex() for h in v]
+            out[f.name] = [hash_text(h) for h in v]
         elif f.name == "parent_block_hash":
-            out[f.name] = None if v is None else v.hex()
+            out[f.name] = None if v is None else hash_text(v)
         elif f.name == "extra":
             out[f.name] = {k: b.hex() for k, b in v.items()}
         elif f.name == "extra_keys":

@@ -402,20 +402,18 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
 
 def parse_query(text: str) -> list[int]:
-    """Block hashes as vLLM's 64-bit keys: decimal ints, or hex (0x...) of a key or a digest
-    (a digest's key is its last 8 bytes, as in vLLM's integer mode)."""
+    """Block hashes as vLLM's 64-bit keys (:func:`bridge.events.parse_hash_text`): ``0x`` hex
+    of a key or a digest, as consume and replay print them, or decimal keys."""
+    from bridge.events import parse_hash_text
+
     keys = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         try:
-            if part.lower().startswith("0x"):
-                raw = bytes.fromhex(part[2:].rjust(16, "0") if len(part) <= 18 else part[2:])
-                keys.append(int.from_bytes(raw[-8:], "big"))
-            else:
-                keys.append(int(part) % (1 << 64))
-        except ValueError:
+            keys.append(parse_hash_text(part))
+        except ValueError as exc:
             raise ConfigError(
-                f"--query: {part!r} is not a block hash; give decimal keys (as vLLM sends them) "
-                "or hex with 0x, separated by commas"
+                f"--query: {exc}; give hashes as consume prints them (0x...) or decimal keys "
+                "(as vLLM sends them), separated by commas"
             ) from None
     if not keys:
         raise ConfigError("--query needs at least one block hash")

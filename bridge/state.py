@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, copy_counts
+from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, copy_counts, hash_text
 from bridge.markers import EventsLost, PodRemoved, PublisherRestarted, StreamStarted
 from bridge.records import Record
 
@@ -336,7 +336,7 @@ class CacheState:
         }
 
     def to_json(self) -> dict[str, Any]:
-        """:meth:`summary` plus every tier's resident hashes (hex, sorted)."""
+        """:meth:`summary` plus every tier's resident hashes (``0x`` hex, sorted)."""
         out = self.summary()
         for entry in out["streams"]:
             st = self.streams[(entry["pod"], entry["dp_rank"])]
@@ -344,7 +344,7 @@ class CacheState:
                 {
                     "medium": medium,
                     "group_idx": group,
-                    "blocks": sorted(h.hex() for h in blocks),
+                    "blocks": sorted(hash_text(h) for h in blocks),
                 }
                 for (medium, group), blocks in sorted(st.tiers.items(), key=_tier_order)
                 if blocks

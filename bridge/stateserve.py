@@ -25,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from bridge.events import parse_hash_text
 from bridge.state import DEFAULT_POLICY, CacheState
 from bridge.statesync import PartitionWatch
 from bridge.statetopic import DEFAULT_STATE_TOPIC, EventTail, load_state
@@ -51,19 +52,12 @@ def parse_hash(value: Any) -> int:
     if isinstance(value, int):
         n = value
     elif isinstance(value, str):
-        text = value.strip()
         try:
-            if text.lower().startswith("0x"):
-                digits = text[2:]
-                if not digits:
-                    raise ValueError
-                raw = bytes.fromhex(digits.rjust(16, "0") if len(digits) <= 16 else digits)
-                return int.from_bytes(raw[-8:], "big")
-            n = int(text, 10)
-        except ValueError:
+            return parse_hash_text(value)
+        except ValueError as exc:
             raise BadRequest(
-                f"{value!r} is not a block hash: give decimal 64-bit keys (as vLLM sends them) "
-                "or hex with 0x"
+                f"{exc}: give 64-bit keys as decimal (as vLLM sends them) or hashes as 0x hex "
+                "(as kvbridge consume prints them)"
             ) from None
     else:
         raise BadRequest(f"{value!r} is not a block hash: give integers or strings")

@@ -53,7 +53,7 @@ def model_of(fleet: SimulatedFleet) -> dict[tuple[str, int], dict]:
     for pod in fleet.pods:
         for rank in range(pod.dp_size):
             out[(pod.name, rank)] = {
-                (m, g): {h.hex() for h in hs}
+                (m, g): {"0x" + h.hex() for h in hs}
                 for (m, g), hs in fleet.resident(pod.name, rank).items()
             }
     return out
@@ -188,7 +188,7 @@ def test_query_pod_filter_and_errors(run):
     model = run["model"]
     tiers = model[("steady", 0)]
     gpu = sorted(next(b for (m, _), b in tiers.items() if m == "GPU" and b))
-    query = ",".join("0x" + h for h in gpu[:1]) + ",0x" + "ff" * 8
+    query = ",".join(gpu[:1]) + ",0x" + "ff" * 8
     out = replay(run, "--query", query, "--medium", "GPU").stdout.splitlines()
     rows = {tuple(ln.split()[:2]): int(ln.split()[2]) for ln in out[1:]}
     assert rows[("steady", "0")] == 1

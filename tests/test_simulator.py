@@ -428,7 +428,7 @@ def test_sent_log_lines_match_records_and_resident_matches_events():
 def _event_from_json(e: dict[str, Any]):
     if e["type"] == "AllBlocksCleared":
         return AllBlocksCleared()
-    hashes = [bytes.fromhex(h) for h in e["block_hashes"]]
+    hashes = [bytes.fromhex(h.removeprefix("0x")) for h in e["block_hashes"]]
     if e["type"] == "BlockRemoved":
         return BlockRemoved(hashes, medium=e["medium"], group_idx=e["group_idx"])
     return BlockStored(hashes, None, e["token_ids"], e["block_size"], medium=e["medium"],

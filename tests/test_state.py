@@ -412,3 +412,31 @@ def test_snapshots_keep_copies_and_version_1_still_loads():
             t["blocks"] = [b[:2] for b in t["blocks"]]
     old, _, _ = CacheState.from_snapshot(v1, "set")
     assert old.resident("p", 0) == s.resident("p", 0) and old.policy == "set"
+
+
+def test_the_hash_consume_prints_is_read_by_query_and_the_server():
+    from bridge.cliargs import ConfigError
+    from bridge.events import key64
+    from bridge.jsonview import event_to_json
+    from bridge.readcli import parse_query
+    from bridge.stateserve import BadRequest, parse_hash
+
+    digest = bytes(range(32))
+    shown = event_to_json(stored([H[3], digest]))["block_hashes"]
+    assert shown == ["0x" + H[3].hex(), "0x" + digest.hex()]
+    keys = [key64(H[3]), key64(digest)]
+    assert parse_query(",".join(shown)) == keys
+    assert [parse_hash(h) for h in shown] == keys
+    s = CacheState()
+    s.apply(rec(stored([H[3], digest])))
+    assert s.to_json()["streams"][0]["tiers"][0]["blocks"] == sorted(shown)
+    with pytest.raises(ConfigError, match="0x61ecd2ddffece405"):
+        parse_query("61ecd2ddffece405")  # bare hex: said how to write it
+    with pytest.raises(BadRequest, match="0x61ecd2ddffece405"):
+        parse_hash("61ecd2ddffece405")
+
+
+def test_tiers_without_a_medium_are_named_as_the_engines_own_cache():
+    s = CacheState()
+    s.apply(rec(stored([H[0], H[1]], medium=None, group=None)))
+    assert s.summary()["streams"][0]["blocks_by_medium"] == {"engine": 2}

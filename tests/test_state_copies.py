@@ -198,5 +198,5 @@ def test_replay_cli_takes_the_policy(run):
         for s in doc["streams"]:
             if s["pod"] in exact:
                 blocks = {(t["medium"], t["group_idx"]): set(t["blocks"]) for t in s["tiers"]}
-                want = {t: {h.hex() for h in c} for t, c in run["truth"][s["pod"]].items()}
+                want = {t: {"0x" + h.hex() for h in c} for t, c in run["truth"][s["pod"]].items()}
                 assert blocks == want, (policy, s["pod"])

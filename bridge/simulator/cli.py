@@ -404,7 +404,11 @@ def _write_state(fleet: SimulatedFleet, path: str) -> None:
     for pod in fleet.pods:
         for rank in range(pod.dp_size):
             tiers = [
-                {"medium": medium, "group_idx": group, "blocks": sorted(h.hex() for h in blocks)}
+                {
+                    "medium": medium,
+                    "group_idx": group,
+                    "blocks": sorted("0x" + h.hex() for h in blocks),
+                }
                 for (medium, group), blocks in sorted(
                     fleet.resident(pod.name, rank).items(), key=lambda kv: str(kv[0])
                 )
