@@ -245,8 +245,14 @@ def _removed(e: BlockRemoved) -> bytes:
         + _opt_long(e.group_idx)
         + _opt_string(e.locality)
         + _opt_string(e.ownership)
-        + _map(e.extra)
+        + _map(e.extra if e.remaining_copy_counts is None else _removed_extra(e))
     )
+
+
+def _removed_extra(e: BlockRemoved) -> dict[str, bytes]:
+    from bridge.records import removed_extra  # records imports this module
+
+    return removed_extra(e)
 
 
 def _cleared(e: AllBlocksCleared) -> bytes:

@@ -391,6 +391,30 @@ class _Stream:
         self.seen_markers: set[tuple[int, int, Marker]] = set()
         # A BlockStored split over records being read: (epoch, seq, index, next part, parts).
         self.split: tuple[int, int, int, int, int] | None = None
+        # Epochs opened by StreamStarted, and the epoch a StreamStarted took over from: after
+        # --repartition a moved pod's old-partition records of that older epoch can come
+        # after the new epoch's; they are checked as their own chain (late_*), never applied
+        # to the current epoch.
+        self.started: set[int] = set()
+        self.late_current: int | None = None
+        self.late_removed = False
+        self.swapped = False
+
+    def is_late(self, e: int) -> bool:
+        """A record of an older epoch after a StreamStarted took the stream over from it."""
+        return (
+            not self.swapped
+            and self.late_current is not None
+            and self.current is not None
+            and e < self.current
+            and self.current in self.started
+        )
+
+    def swap_chain(self) -> None:
+        """Exchange the current chain of epochs with the late one (see ``started``)."""
+        self.current, self.late_current = self.late_current, self.current
+        self.removed, self.late_removed = self.late_removed, self.removed
+        self.swapped = not self.swapped
 
     def violation(self, msg: str) -> None:
         r = self.report
@@ -468,6 +492,10 @@ class _Stream:
                         )
         else:
             start = marker.next_seq
+            if not self.swapped:
+                if self.current is not None and e > self.current:
+                    self.late_current, self.late_removed = self.current, False
+                self.started.add(e)
         ep = self.epochs.get(e)
         if ep is None:
             self.epochs[e] = _Epoch(e, start, opened=True)
@@ -644,8 +672,19 @@ class TopicChecker:
         self.records += 1
         if self._sent is not None:
             self._sent.add(record)
-        env, ev = record.envelope, record.event
+        env = record.envelope
         st = self._stream(env.pod, env.dp_rank)
+        if st.is_late(env.epoch):
+            st.swap_chain()
+            try:
+                self._add(st, record, late=True)
+            finally:
+                st.swap_chain()
+        else:
+            self._add(st, record, late=False)
+
+    def _add(self, st: _Stream, record: Record, late: bool) -> None:
+        env, ev = record.envelope, record.event
         e, seq = env.epoch, env.seq
         if not isinstance(ev, MARKER_TYPES):
             if env.index < 0:
@@ -676,7 +715,7 @@ class TopicChecker:
         elif isinstance(ev, EmptyBatch):
             st.empty_batch(e, seq)
         elif isinstance(ev, PodRemoved):
-            for other in self._by_pod[env.pod]:
+            for other in [st] if late else self._by_pod[env.pod]:
                 other.close()
 
     def report(self) -> CheckReport:

@@ -39,6 +39,26 @@ def duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def add_state_policy_arg(p: argparse.ArgumentParser) -> None:
+    """``--state-policy``: how the cache-state model counts repeated stores of a hash."""
+    import os
+
+    from bridge.state import DEFAULT_POLICY, POLICIES
+
+    p.add_argument(
+        "--state-policy",
+        choices=POLICIES,
+        default=os.environ.get("KVBRIDGE_STATE_POLICY") or None,
+        help="how a BlockStored of a hash already resident counts: count (a new copy; every "
+        "remove drops one; exact for vLLM's physical copies and offload chunks), set (stores "
+        "idempotent, the first remove evicts), hits (count, but a store of resident hashes "
+        "from the start of a sequence is a re-announced prefix hit, vLLM 0.26+ "
+        "kv_cache_report_mode=full); remaining_copy_counts on a remove always wins (env "
+        f"KVBRIDGE_STATE_POLICY; default {DEFAULT_POLICY}, or a snapshot's own; see "
+        "docs/consumers.md)",
+    )
+
+
 def add_kafka_args(p: argparse.ArgumentParser, topic_help: str = "topic of the events") -> None:
     p.add_argument(
         "--bootstrap-servers",

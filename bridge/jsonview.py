@@ -1,6 +1,7 @@
 """JSON rendering of events, shared by `kvbridge consume`, the simulator's sent-log and tests.
 
-Hashes and other bytes are lowercase hex strings. Arbitrary msgpack values (the
+Hashes are ``0x`` and lowercase hex (:func:`bridge.events.hash_text`, the form every hash
+reader accepts); other bytes are lowercase hex strings. Arbitrary msgpack values (the
 per-block ``extra_keys``) become JSON with bytes as ``{"$bytes": "<hex>"}``.
 Unknown fields (``extra``) stay hex of their msgpack encoding.
 """
@@ -10,7 +11,16 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent, VllmEvent
+from bridge.events import (
+    REMAINING_COPY_COUNTS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    UnknownEvent,
+    VllmEvent,
+    copy_counts,
+    hash_text,
+)
 
 _HASH_FIELDS = ("block_hashes", "parent_block_hash")
 
@@ -33,12 +43,19 @@ def event_to_json(event: VllmEvent) -> dict[str, Any]:
         out["tag"] = event.tag
         out["raw"] = event.raw.hex()
         return out
+    counts = copy_counts(event) if isinstance(event, BlockRemoved) else None
     for f in fields(event):
         v = getattr(event, f.name)
+        if f.name == "remaining_copy_counts":
+            # One form whether it came typed (from Avro) or as vLLM's unknown field.
+            out[f.name] = counts
+            continue
+        if f.name == "extra" and counts is not None and REMAINING_COPY_COUNTS in v:
+            v = {k: b for k, b in v.items() if k != REMAINING_COPY_COUNTS}
         if f.name == "block_hashes":
-            out[f.name] = [h.hex() for h in v]
+            out[f.name] = [hash_text(h) for h in v]
         elif f.name == "parent_block_hash":
-            out[f.name] = None if v is None else v.hex()
+            out[f.name] = None if v is None else hash_text(v)
         elif f.name == "extra":
             out[f.name] = {k: b.hex() for k, b in v.items()}
         elif f.name == "extra_keys":

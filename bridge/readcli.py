@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from bridge.cliargs import add_kafka_args, kafka_target, record_codec
+from bridge.cliargs import add_kafka_args, add_state_policy_arg, kafka_target, record_codec
 from bridge.config import ConfigError, parse_duration
 
 log = logging.getLogger("kvbridge")
@@ -152,6 +152,7 @@ def configure_reader_parser(p: argparse.ArgumentParser, name: str) -> None:
         "per pod and rank",
     )
     out.add_argument("--medium", help="with --query: only this tier, e.g. GPU")
+    add_state_policy_arg(p)
     out.add_argument(
         "--snapshot",
         metavar="FILE",
@@ -400,20 +401,18 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
 
 def parse_query(text: str) -> list[int]:
-    """Block hashes as vLLM's 64-bit keys: decimal ints, or hex (0x...) of a key or a digest
-    (a digest's key is its last 8 bytes, as in vLLM's integer mode)."""
+    """Block hashes as vLLM's 64-bit keys (:func:`bridge.events.parse_hash_text`): ``0x`` hex
+    of a key or a digest, as consume and replay print them, or decimal keys."""
+    from bridge.events import parse_hash_text
+
     keys = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         try:
-            if part.lower().startswith("0x"):
-                raw = bytes.fromhex(part[2:].rjust(16, "0") if len(part) <= 18 else part[2:])
-                keys.append(int.from_bytes(raw[-8:], "big"))
-            else:
-                keys.append(int(part) % (1 << 64))
-        except ValueError:
+            keys.append(parse_hash_text(part))
+        except ValueError as exc:
             raise ConfigError(
-                f"--query: {part!r} is not a block hash; give decimal keys (as vLLM sends them) "
-                "or hex with 0x, separated by commas"
+                f"--query: {exc}; give hashes as consume prints them (0x...) or decimal keys "
+                "(as vLLM sends them), separated by commas"
             ) from None
     if not keys:
         raise ConfigError("--query needs at least one block hash")
@@ -476,7 +475,8 @@ def print_state(
             f"records applied: {s['records_applied']}   duplicates skipped: "
             f"{s['duplicates_skipped']}   markers: {s['markers'] or 'none'}"
             + (f"   undecodable skipped: {undecodable}" if undecodable else "")
-            + "\n"
+            + (f"   stale epochs skipped: {s['stale_skipped']}" if s["stale_skipped"] else "")
+            + f"   policy: {s['policy']}\n"
         )
         out.write(
             f"{'pod':<20} {'rank':>4} {'epoch':>14} {'last_seq':>9} {'blocks':>8}  "
@@ -496,15 +496,15 @@ def print_state(
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from bridge.consumer import StartAt
-    from bridge.state import CacheState, SnapshotError
+    from bridge.state import DEFAULT_POLICY, CacheState, SnapshotError
 
     keys = parse_query(args.query) if args.query is not None else None
     every = replay_every(args)
-    state = CacheState()
+    state = CacheState(args.state_policy or DEFAULT_POLICY)
     snap_offsets: dict[int, int] = {}
     if args.from_snapshot:
         try:
-            state, snap_topic, snap_offsets = CacheState.load(args.from_snapshot)
+            state, snap_topic, snap_offsets = CacheState.load(args.from_snapshot, args.state_policy)
         except SnapshotError as exc:
             raise ConfigError(str(exc)) from None
         _, topic, _ = kafka_target(args)

@@ -20,7 +20,15 @@ from fastavro import schemaless_reader, schemaless_writer
 from fastavro.schema import parse_schema, to_parsing_canonical_form
 
 from bridge import avro_encode
-from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent, VllmEvent
+from bridge.events import (
+    REMAINING_COPY_COUNTS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    UnknownEvent,
+    VllmEvent,
+    parse_copy_counts,
+)
 from bridge.markers import (
     EmptyBatch,
     EventsLost,
@@ -146,7 +154,7 @@ def event_to_avro(event: VllmEvent | Marker) -> tuple[str, dict[str, Any]]:
             "group_idx": event.group_idx,
             "locality": event.locality,
             "ownership": event.ownership,
-            "extra": event.extra,
+            "extra": removed_extra(event),
         }
         return _full("BlockRemoved"), d
     if isinstance(event, AllBlocksCleared):
@@ -178,7 +186,22 @@ def event_from_avro(name: str, d: dict[str, Any]) -> VllmEvent | Marker:
     cls = _SIMPLE_TYPES.get(short)
     if cls is None:
         raise RecordError(f"unknown event type {name!r} in record")
+    if cls is BlockRemoved:
+        raw = d["extra"].get(REMAINING_COPY_COUNTS)
+        if raw is not None:
+            counts = parse_copy_counts(raw, len(d["block_hashes"]))
+            if counts is not None:
+                del d["extra"][REMAINING_COPY_COUNTS]
+                d["remaining_copy_counts"] = counts
     return cls(**d)
+
+
+def removed_extra(event: BlockRemoved) -> dict[str, bytes]:
+    """The Avro ``extra`` of a remove: its unknown fields plus ``remaining_copy_counts``,
+    which the schema has no field for (it travels under its vLLM name)."""
+    if event.remaining_copy_counts is None:
+        return event.extra
+    return {**event.extra, REMAINING_COPY_COUNTS: _pack(event.remaining_copy_counts)}
 
 
 _SIMPLE_TYPES: dict[str, type] = {

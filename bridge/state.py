@@ -3,8 +3,17 @@
 State is kept per stream (pod, dp_rank) and, inside it, per (medium, group_idx): the
 resident block hashes, each with the parent hash BlockStored gave for it. Rules:
 
-* BlockStored is idempotent (a duplicate store only refreshes the parent link);
-* BlockRemoved of a hash that is not resident is a no-op (vLLM emits such removes);
+* BlockStored of a resident hash is another *copy* of it under the default policy
+  ``"count"`` (vLLM keeps one physical block per copy and emits a store for each, and the
+  OffloadingConnector's chunk mode stores a block once per chunk); ``"set"`` makes stores
+  idempotent (the behaviour before copies were counted); ``"hits"`` counts copies but
+  takes a store whose hashes are all resident and which starts a sequence (no parent) as
+  a re-announced prefix hit (vLLM 0.26+, ``kv_cache_report_mode="full"``). See
+  docs/vllm-cache-semantics.md for which policy the wire of each release needs;
+* BlockRemoved drops one copy; the hash leaves the tier with its last copy (``"set"``:
+  with the first remove). A remove that carries ``remaining_copy_counts`` (vllm#48933) is
+  the engine's own count and overrides the policy. A remove of a hash that is not
+  resident is a no-op (vLLM emits such removes);
 * AllBlocksCleared empties every tier of the stream;
 * StreamStarted and PublisherRestarted drop the stream's state (a new incarnation, or a
   bridge that starts following from scratch: the records that follow rebuild it);
@@ -14,7 +23,13 @@ resident block hashes, each with the parent hash BlockStored gave for it. Rules:
 * an event record at or before the stream's last applied (epoch, seq, index, part) is a
   duplicate (at-least-once delivery, or an overlap after a snapshot) and is skipped. The
   parts of a BlockStored split over several records (``bridge.split``) are BlockStored
-  events of their own, applied in turn.
+  events of their own, applied in turn;
+* a record of an epoch lower than the stream's current one is *stale* (after
+  ``--repartition`` a reader far behind can read a moved pod's new epoch before the old
+  partition's records of its old one) and is skipped and counted in ``stale``.
+
+Copies are counted per tier only where there is more than one: ``StreamState.copies``
+holds ``{tier: {hash: n}}`` for n >= 2, a resident hash without an entry has one copy.
 
 Prefix queries use vLLM's 64-bit keys (:func:`bridge.events.key64`) and cost O(len(keys))
 per stream and tier, whatever the number of resident blocks. An 8-byte hash (vLLM's default
@@ -32,13 +47,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored
+from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, copy_counts, hash_text
 from bridge.markers import EventsLost, PodRemoved, PublisherRestarted, StreamStarted
 from bridge.records import Record
 
 Tier = tuple[str | None, int | None]  # (medium, group_idx)
 SNAPSHOT_FORMAT = "kvbridge-state-snapshot"
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # 2: copy counts ([hash, parent, copies]) and the policy; 1 still loads
+POLICIES = ("count", "set", "hits")
+DEFAULT_POLICY = "count"
 
 
 class SnapshotError(RuntimeError):
@@ -58,6 +75,8 @@ class StreamState:
     # blocks of that medium (all groups) have that key}. 8-byte hashes are their own keys
     # and are looked up in the tiers themselves. Maintained by store/remove/clear.
     index: dict[str | None, dict[bytes, int]] = field(default_factory=dict)
+    # tier -> {hash: copies} for resident hashes with more than one copy (see module doc)
+    copies: dict[Tier, dict[bytes, int]] = field(default_factory=dict)
     last_index: int = -1  # index of the last applied event within batch last_seq
     last_part: int = 0  # part of that event (a BlockStored split over records), 0 if whole
     cleared_at: int = -1  # seq of the last AllBlocksCleared in this epoch
@@ -66,10 +85,19 @@ class StreamState:
     def blocks(self) -> int:
         return sum(len(t) for t in self.tiers.values())
 
+    def copies_of(self, tier_key: Tier, h: bytes) -> int:
+        """How many copies of ``h`` the tier holds (0 if it is not resident)."""
+        tier = self.tiers.get(tier_key)
+        if not tier or h not in tier:
+            return 0
+        extra = self.copies.get(tier_key)
+        return extra.get(h, 1) if extra else 1
+
     def reset(self) -> None:
         """Forget the blocks and the position (a new incarnation or a fresh start)."""
         self.tiers.clear()
         self.index.clear()
+        self.copies.clear()
         self.uncertain = False
         self.last_seq = None
         self.last_index = -1
@@ -77,12 +105,24 @@ class StreamState:
         self.cleared_at = -1
         self.lost_to = -1
 
-    def store(self, tier_key: Tier, hashes: list[bytes], parent: bytes | None) -> None:
+    def store(
+        self, tier_key: Tier, hashes: list[bytes], parent: bytes | None, policy: str = "set"
+    ) -> None:
+        """Blocks entered the tier (one BlockStored); ``policy`` as in :class:`CacheState`."""
         tier = self.tiers.get(tier_key)
         if tier is None:
             tier = self.tiers[tier_key] = {}
+        count = policy != "set"
+        if policy == "hits" and parent is None and all(h in tier for h in hashes):
+            count = False  # the shape of a re-announced prefix hit: no new copies
         for h in hashes:
-            if len(h) != 8 and h not in tier:
+            if h in tier:
+                if count:
+                    extra = self.copies.get(tier_key)
+                    if extra is None:
+                        extra = self.copies[tier_key] = {}
+                    extra[h] = extra.get(h, 1) + 1
+            elif len(h) != 8:
                 idx = self.index.get(tier_key[0])
                 if idx is None:
                     idx = self.index[tier_key[0]] = {}
@@ -91,35 +131,88 @@ class StreamState:
             tier[h] = parent
             parent = h
 
-    def remove(self, tier_key: Tier, hashes: list[bytes]) -> None:
+    def set_copies(self, tier_key: Tier, h: bytes, n: int, parent: bytes | None = None) -> None:
+        """Make ``h`` resident with exactly ``n`` copies (0: not resident)."""
+        tier = self.tiers.get(tier_key)
+        if n <= 0:
+            if tier and h in tier:
+                self._drop(tier_key, tier, h)
+            return
+        if tier is None or h not in tier:
+            self.store(tier_key, [h], parent)
+        extra = self.copies.get(tier_key)
+        if n == 1:
+            if extra and extra.pop(h, None) is not None and not extra:
+                del self.copies[tier_key]
+        else:
+            if extra is None:
+                extra = self.copies[tier_key] = {}
+            extra[h] = n
+
+    def remove(
+        self,
+        tier_key: Tier,
+        hashes: list[bytes],
+        policy: str = "set",
+        remaining: list[int] | None = None,
+    ) -> None:
+        """Blocks left the tier (one BlockRemoved). ``remaining``: the engine's count of copies
+        left per hash (``remaining_copy_counts``), which overrides the policy."""
+        if remaining is not None and len(remaining) == len(hashes):
+            for h, n in zip(hashes, remaining, strict=True):
+                self.set_copies(tier_key, h, n)
+            return
         tier = self.tiers.get(tier_key)
         if not tier:
             return
+        extra = self.copies.get(tier_key)
         for h in hashes:
             if h in tier:
-                del tier[h]
-                if len(h) != 8:
-                    idx = self.index[tier_key[0]]
-                    k = _key8(h)
-                    n = idx[k] - 1
-                    if n:
-                        idx[k] = n
-                    else:
-                        del idx[k]
+                n = extra.get(h, 1) if extra and policy != "set" else 1
+                if n > 2:
+                    extra[h] = n - 1  # type: ignore[index]
+                elif n == 2:
+                    del extra[h]  # type: ignore[union-attr]
+                    if not extra:
+                        del self.copies[tier_key]
+                else:
+                    self._drop(tier_key, tier, h)
+
+    def _drop(self, tier_key: Tier, tier: dict[bytes, bytes | None], h: bytes) -> None:
+        del tier[h]
+        extra = self.copies.get(tier_key)
+        if extra and extra.pop(h, None) is not None and not extra:
+            del self.copies[tier_key]
+        if len(h) != 8:
+            idx = self.index[tier_key[0]]
+            k = _key8(h)
+            n = idx[k] - 1
+            if n:
+                idx[k] = n
+            else:
+                del idx[k]
 
     def clear(self) -> None:
         self.tiers.clear()
         self.index.clear()
+        self.copies.clear()
 
 
 class CacheState:
-    """Every stream's state; feed it records in topic order with :meth:`apply`."""
+    """Every stream's state; feed it records in topic order with :meth:`apply`.
 
-    def __init__(self) -> None:
+    ``policy``: how a BlockStored of a resident hash counts, one of :data:`POLICIES`
+    (module doc)."""
+
+    def __init__(self, policy: str = DEFAULT_POLICY) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown state policy {policy!r}; one of {', '.join(POLICIES)}")
+        self.policy = policy
         self.streams: dict[tuple[str, int], StreamState] = {}
         self.models: dict[str, str] = {}
         self.applied = 0
         self.duplicates = 0
+        self.stale = 0
         self.markers: Counter[str] = Counter()
 
     def apply(self, rec: Record) -> None:
@@ -128,6 +221,9 @@ class CacheState:
         st = self.streams.get(key)
         if st is None:
             st = self.streams[key] = StreamState()
+        if st.epoch is not None and env.epoch < st.epoch:
+            self.stale += 1  # an older incarnation read after a newer one (repartition)
+            return
         if self.models.get(env.pod) != env.model:
             self.models[env.pod] = env.model
         if env.index >= 0:
@@ -140,9 +236,16 @@ class CacheState:
                 return
             self.applied += 1
             if type(ev) is BlockStored:
-                st.store((ev.medium, ev.group_idx), ev.block_hashes, ev.parent_block_hash)
+                st.store(
+                    (ev.medium, ev.group_idx), ev.block_hashes, ev.parent_block_hash, self.policy
+                )
             elif type(ev) is BlockRemoved:
-                st.remove((ev.medium, ev.group_idx), ev.block_hashes)
+                st.remove(
+                    (ev.medium, ev.group_idx),
+                    ev.block_hashes,
+                    self.policy,
+                    copy_counts(ev),
+                )
             elif type(ev) is AllBlocksCleared:
                 st.clear()
                 st.cleared_at = env.seq
@@ -230,14 +333,16 @@ class CacheState:
                 }
             )
         return {
+            "policy": self.policy,
             "records_applied": self.applied,
             "duplicates_skipped": self.duplicates,
+            "stale_skipped": self.stale,
             "markers": dict(self.markers),
             "streams": pods,
         }
 
     def to_json(self) -> dict[str, Any]:
-        """:meth:`summary` plus every tier's resident hashes (hex, sorted)."""
+        """:meth:`summary` plus every tier's resident hashes (``0x`` hex, sorted)."""
         out = self.summary()
         for entry in out["streams"]:
             st = self.streams[(entry["pod"], entry["dp_rank"])]
@@ -245,7 +350,7 @@ class CacheState:
                 {
                     "medium": medium,
                     "group_idx": group,
-                    "blocks": sorted(h.hex() for h in blocks),
+                    "blocks": sorted(hash_text(h) for h in blocks),
                 }
                 for (medium, group), blocks in sorted(st.tiers.items(), key=_tier_order)
                 if blocks
@@ -276,10 +381,9 @@ class CacheState:
                         {
                             "medium": medium,
                             "group_idx": group,
-                            # [hash, parent] in insertion order (hex; parent null when unknown)
-                            "blocks": [
-                                [h.hex(), None if p is None else p.hex()] for h, p in blocks.items()
-                            ],
+                            # [hash, parent(, copies if > 1)] in insertion order (hex; parent
+                            # null when unknown)
+                            "blocks": _blocks_doc(blocks, st.copies.get((medium, group))),
                         }
                         for (medium, group), blocks in sorted(st.tiers.items(), key=_tier_order)
                         if blocks
@@ -289,9 +393,11 @@ class CacheState:
         return {
             "format": SNAPSHOT_FORMAT,
             "version": SNAPSHOT_VERSION,
+            "policy": self.policy,
             "topic": topic,
             "offsets": {str(p): o for p, o in sorted(offsets.items())},
             "records_applied": self.applied,
+            "stale_skipped": self.stale,
             "markers": dict(self.markers),
             "models": dict(sorted(self.models.items())),
             "streams": streams,
@@ -306,18 +412,30 @@ class CacheState:
         os.replace(tmp, path)
 
     @classmethod
-    def from_snapshot(cls, doc: dict[str, Any]) -> tuple[CacheState, str, dict[int, int]]:
-        """(state, topic, next offsets) from a :meth:`snapshot` document."""
+    def from_snapshot(
+        cls, doc: dict[str, Any], policy: str | None = None
+    ) -> tuple[CacheState, str, dict[int, int]]:
+        """(state, topic, next offsets) from a :meth:`snapshot` document (version 1 or 2).
+
+        ``policy``: the policy to continue with; None takes the snapshot's (version 1
+        snapshots, which kept no copies, continue with the default)."""
         if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT:
             raise SnapshotError("not a kvbridge state snapshot (written by replay --snapshot)")
-        if doc.get("version") != SNAPSHOT_VERSION:
+        if doc.get("version") not in (1, SNAPSHOT_VERSION):
             raise SnapshotError(
                 f"snapshot version {doc.get('version')!r} is not supported (this kvbridge "
-                f"reads version {SNAPSHOT_VERSION}); rebuild it with this version's replay"
+                f"reads versions 1 and {SNAPSHOT_VERSION}); rebuild it with this version's replay"
+            )
+        saved = doc.get("policy")
+        if policy is not None and saved is not None and saved != policy:
+            raise SnapshotError(
+                f"snapshot was built with --state-policy {saved}, not {policy}: continue it with "
+                f"{saved}, or rebuild it from the topic with {policy}"
             )
         try:
-            state = cls()
+            state = cls(policy or saved or DEFAULT_POLICY)
             state.applied = int(doc.get("records_applied", 0))
+            state.stale = int(doc.get("stale_skipped", 0))
             state.markers.update(doc.get("markers", {}))
             state.models.update(doc.get("models", {}))
             for s in doc["streams"]:
@@ -333,10 +451,11 @@ class CacheState:
                 )
                 for t in s["tiers"]:
                     tier_key = (t["medium"], t["group_idx"])
-                    for h, p in t["blocks"]:
-                        st.store(
-                            tier_key, [bytes.fromhex(h)], None if p is None else bytes.fromhex(p)
-                        )
+                    for b in t["blocks"]:
+                        h, p = bytes.fromhex(b[0]), None if b[1] is None else bytes.fromhex(b[1])
+                        st.store(tier_key, [h], p)
+                        if len(b) > 2 and int(b[2]) > 1:
+                            st.set_copies(tier_key, h, int(b[2]))
                 state.streams[(s["pod"], int(s["dp_rank"]))] = st
             offsets = {int(p): int(o) for p, o in doc["offsets"].items()}
             topic = str(doc["topic"])
@@ -345,7 +464,9 @@ class CacheState:
         return state, topic, offsets
 
     @classmethod
-    def load(cls, path: str | Path) -> tuple[CacheState, str, dict[int, int]]:
+    def load(
+        cls, path: str | Path, policy: str | None = None
+    ) -> tuple[CacheState, str, dict[int, int]]:
         """Read a snapshot file written by :meth:`save`: (state, topic, next offsets)."""
         try:
             with open(path) as f:
@@ -354,7 +475,7 @@ class CacheState:
             raise SnapshotError(f"snapshot file {str(path)!r} does not exist") from None
         except (OSError, json.JSONDecodeError) as exc:
             raise SnapshotError(f"cannot read snapshot {str(path)!r}: {exc}") from None
-        return cls.from_snapshot(doc)
+        return cls.from_snapshot(doc, policy)
 
 
 def _key8(h: bytes) -> bytes:
@@ -366,9 +487,31 @@ def _tier_order(kv: tuple[Tier, Any]) -> tuple[str, str]:
     return (str(kv[0][0]), str(kv[0][1]))
 
 
+NO_MEDIUM = "engine"
+"""How a tier without a medium is named in summaries: releases before 0.10.2 send none, and
+their blocks are the engine's own (GPU) cache."""
+
+
+def medium_name(medium: str | None) -> str:
+    return NO_MEDIUM if medium is None else medium
+
+
 def _by_medium(st: StreamState) -> dict[str, int]:
     out: Counter[str] = Counter()
     for (medium, _), blocks in st.tiers.items():
         if blocks:
-            out[str(medium)] += len(blocks)
+            out[medium_name(medium)] += len(blocks)
     return dict(out)
+
+
+def _blocks_doc(
+    blocks: dict[bytes, bytes | None], copies: dict[bytes, int] | None
+) -> list[list[Any]]:
+    out: list[list[Any]] = []
+    for h, p in blocks.items():
+        entry: list[Any] = [h.hex(), None if p is None else p.hex()]
+        n = copies.get(h, 1) if copies else 1
+        if n > 1:
+            entry.append(n)
+        out.append(entry)
+    return out

@@ -27,7 +27,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from bridge.config import KafkaUnreachable, kafka_unreachable
 from bridge.consumer import Undecodable
-from bridge.state import CacheState
+from bridge.events import parse_hash_text
+from bridge.state import DEFAULT_POLICY, CacheState
 from bridge.statesync import PartitionWatch
 from bridge.statetopic import DEFAULT_STATE_TOPIC, EventTail, load_state
 
@@ -53,19 +54,12 @@ def parse_hash(value: Any) -> int:
     if isinstance(value, int):
         n = value
     elif isinstance(value, str):
-        text = value.strip()
         try:
-            if text.lower().startswith("0x"):
-                digits = text[2:]
-                if not digits:
-                    raise ValueError
-                raw = bytes.fromhex(digits.rjust(16, "0") if len(digits) <= 16 else digits)
-                return int.from_bytes(raw[-8:], "big")
-            n = int(text, 10)
-        except ValueError:
+            return parse_hash_text(value)
+        except ValueError as exc:
             raise BadRequest(
-                f"{value!r} is not a block hash: give decimal 64-bit keys (as vLLM sends them) "
-                "or hex with 0x"
+                f"{exc}: give 64-bit keys as decimal (as vLLM sends them) or hashes as 0x hex "
+                "(as kvbridge consume prints them)"
             ) from None
     else:
         raise BadRequest(f"{value!r} is not a block hash: give integers or strings")
@@ -181,15 +175,17 @@ class LiveState:
         state_topic: str | None = None,
         overrides: dict[str, Any] | None = None,
         partition_check_interval: float = 30.0,
+        policy: str | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.events_topic = events_topic
+        self.policy = policy
         # kv-events partitions added while serving are read from their beginning this often
         self.partition_check_interval = partition_check_interval
         self.state_topic = state_topic
         self.overrides = dict(overrides or {})
         self.lock = threading.Lock()
-        self.state = CacheState()
+        self.state = CacheState(policy or DEFAULT_POLICY)
         self.last_ts_ms: dict[StreamKey, int] = {}
         self.ready = threading.Event()
         self.stop_event = threading.Event()
@@ -217,7 +213,7 @@ class LiveState:
             offsets: dict[int, int] = {}
             if self.state_topic:
                 sync = load_state(
-                    self.bootstrap, self.state_topic, self.events_topic, self.overrides
+                    self.bootstrap, self.state_topic, self.events_topic, self.overrides, self.policy
                 )
                 with self.lock:
                     self.state, self.last_ts_ms = sync.state, dict(sync.last_ts_ms)
@@ -409,7 +405,7 @@ class StateServer(ThreadingHTTPServer):
 
 def configure_parser(sub: Any) -> None:
     """Add `kvbridge state` to the subcommands."""
-    from bridge.cliargs import add_kafka_args
+    from bridge.cliargs import add_kafka_args, add_state_policy_arg
 
     p = sub.add_parser(
         "state",
@@ -420,6 +416,7 @@ def configure_parser(sub: Any) -> None:
         "Without it, print the state once caught up, as JSON, and exit.",
     )
     add_kafka_args(p)
+    add_state_policy_arg(p)
     p.add_argument(
         "--state-topic",
         nargs="?",
@@ -445,7 +442,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port {args.port}: must be 0..65535")
     if args.state_topic == topic:
         raise ConfigError("--state-topic must differ from --topic (kvbridge state-sync writes it)")
-    live = LiveState(bootstrap, topic, args.state_topic, overrides)
+    live = LiveState(bootstrap, topic, args.state_topic, overrides, policy=args.state_policy)
     if not args.serve:
         live.start()
         while not live.ready.wait(0.2):

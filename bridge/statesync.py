@@ -4,8 +4,9 @@ kv-state mirrors a :class:`~bridge.state.CacheState` as one Kafka record per fac
 compaction keeps exactly the current state:
 
 - ``["block", pod, rank, medium, group_idx, hash_hex]`` -> ``{"parent": hex|null, "epoch": E}``
-  for every resident block; a tombstone (null value) when it leaves the cache (BlockRemoved,
-  AllBlocksCleared, StreamStarted/PublisherRestarted, PodRemoved).
+  for every resident block, plus ``"copies": n`` where the state counts more than one; a
+  tombstone (null value) when it leaves the cache (BlockRemoved, AllBlocksCleared,
+  StreamStarted/PublisherRestarted, PodRemoved).
 - ``["stream", pod, rank]`` -> the stream's metadata (model, epoch, last_seq, uncertain,
   lost_batches, tiers, the Kafka timestamp of its last record); a tombstone on PodRemoved.
 - ``["offsets"]`` -> ``{"topic", "partitions": {"<p>": {"next_offset", "counts", "markers"}}}``:
@@ -32,7 +33,7 @@ from typing import Any
 from bridge.events import BlockRemoved, BlockStored, UnknownEvent
 from bridge.markers import EventsLost, PodRemoved
 from bridge.records import Record
-from bridge.state import CacheState, StreamState
+from bridge.state import DEFAULT_POLICY, CacheState, StreamState
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ StreamKey = tuple[str, int]
 Change = tuple[bytes, bytes | None]  # (key, value); value None = tombstone
 _MISSING = object()
 _JSON_SCALARS = (bool, int, float, str, type(None))
-COUNTERS = ("applied", "duplicates")  # CacheState counters kv-state carries (per partition)
+# CacheState counters kv-state carries (per partition)
+COUNTERS = ("applied", "duplicates", "stale")
 
 
 def _dump(obj: Any) -> bytes:
@@ -58,8 +60,11 @@ def stream_key(pod: str, rank: int) -> bytes:
 OFFSETS_KEY = _dump(["offsets"])
 
 
-def block_value(parent: bytes | None, epoch: int | None) -> bytes:
-    return _dump({"parent": None if parent is None else parent.hex(), "epoch": epoch})
+def block_value(parent: bytes | None, epoch: int | None, copies: int = 1) -> bytes:
+    value: dict[str, Any] = {"parent": None if parent is None else parent.hex(), "epoch": epoch}
+    if copies > 1:
+        value["copies"] = copies
+    return _dump(value)
 
 
 def stream_meta(state: CacheState, key: StreamKey, last_ts_ms: int | None) -> dict[str, Any] | None:
@@ -85,9 +90,11 @@ class StateSync:
     """A CacheState kept in step with the kv-events it consumed, and the kv-state records
     each consumed record implies. Pure: the caller consumes and produces."""
 
-    def __init__(self, events_topic: str, state: CacheState | None = None) -> None:
+    def __init__(
+        self, events_topic: str, state: CacheState | None = None, policy: str | None = None
+    ) -> None:
         self.events_topic = events_topic
-        self.state = state if state is not None else CacheState()
+        self.state = state if state is not None else CacheState(policy or DEFAULT_POLICY)
         self.offsets: dict[int, int] = {}  # next kv-events offset per partition
         # Per partition: its share of the state's counters (applied, duplicates) and markers.
         self.counts: dict[int, Counter[str]] = {}
@@ -101,8 +108,11 @@ class StateSync:
             if st is None:
                 continue
             for (medium, group), blocks in st.tiers.items():
+                copies = st.copies.get((medium, group)) or {}
                 for h, parent in blocks.items():
-                    out[block_key(pod, rank, medium, group, h)] = block_value(parent, st.epoch)
+                    out[block_key(pod, rank, medium, group, h)] = block_value(
+                        parent, st.epoch, copies.get(h, 1)
+                    )
         return out
 
     def apply(self, partition: int, offset: int, timestamp_ms: int, rec: Record) -> list[Change]:
@@ -115,19 +125,18 @@ class StateSync:
         if isinstance(ev, BlockStored | BlockRemoved):
             tier_key = (ev.medium, ev.group_idx)
             st = state.streams.get(key)
-            tier = st.tiers.get(tier_key) if st is not None else None
             epoch = st.epoch if st is not None else None
-            before = {h: (tier.get(h, _MISSING) if tier else _MISSING) for h in ev.block_hashes}
+            before = {h: _block_fact(st, tier_key, h) for h in ev.block_hashes}
             self._apply(partition, rec)
             st = state.streams[key]
-            tier = st.tiers.get(tier_key) or {}
             for h, old in before.items():
-                new = tier.get(h, _MISSING)
+                new = _block_fact(st, tier_key, h)
                 if new is _MISSING:
                     if old is not _MISSING:
                         changes.append((block_key(*key, *tier_key, h), None))
                 elif old is _MISSING or old != new or st.epoch != epoch:
-                    changes.append((block_key(*key, *tier_key, h), block_value(new, st.epoch)))
+                    value = block_value(new[0], st.epoch, new[1])
+                    changes.append((block_key(*key, *tier_key, h), value))
             affected = [key]
         elif isinstance(ev, EventsLost | UnknownEvent):
             self._apply(partition, rec)  # no block changes
@@ -193,7 +202,8 @@ class StateSync:
             }
             for p, n in sorted(self.offsets.items())
         }
-        return OFFSETS_KEY, _dump({"topic": self.events_topic, "partitions": parts})
+        doc = {"topic": self.events_topic, "policy": self.state.policy, "partitions": parts}
+        return OFFSETS_KEY, _dump(doc)
 
 
 @dataclass
@@ -253,16 +263,26 @@ class StateTopicError(ValueError):
     """kv-state holds something a loader cannot use (e.g. offsets of another topic)."""
 
 
+def _block_fact(st: StreamState | None, tier_key: Any, h: bytes) -> Any:
+    """(parent, copies) of a resident block, or _MISSING."""
+    tier = st.tiers.get(tier_key) if st is not None else None
+    if not tier or h not in tier:
+        return _MISSING
+    return tier[h], st.copies_of(tier_key, h)  # type: ignore[union-attr]
+
+
 def load(
     records: Iterable[Change],
     events_topic: str,
     on_skip: Callable[[bytes | None, str], None] | None = None,
+    policy: str | None = None,
 ) -> tuple[StateSync, int]:
     """Rebuild a :class:`StateSync` from kv-state's records in log order (compacted or not).
 
+    ``policy``: the state policy to continue with (None: the one kv-state was built with).
     Returns it and the number of unreadable records (skipped; each is passed to ``on_skip``
     as (key, reason), else logged). Raises StateTopicError if the offsets record belongs to
-    a different events topic."""
+    a different events topic, or was built with another policy."""
 
     def skip(raw_key: bytes | None, why: str) -> None:
         if on_skip is not None:
@@ -276,7 +296,20 @@ def load(
             latest.pop(k, None)
         else:
             latest[k] = v
-    sync = StateSync(events_topic)
+    offsets_doc = latest.get(OFFSETS_KEY)
+    saved = None
+    if offsets_doc is not None:
+        try:
+            saved = json.loads(offsets_doc).get("policy")
+        except (ValueError, AttributeError):
+            saved = None
+    if policy is not None and saved is not None and saved != policy:
+        raise StateTopicError(
+            f"the state topic was built with --state-policy {saved}, not {policy}: run with "
+            f"{saved}, or rebuild it (a new --state-topic) with {policy}"
+        )
+    # Before policies existed kv-state held no copies: continue it with the default.
+    sync = StateSync(events_topic, policy=policy or saved or DEFAULT_POLICY)
     state = sync.state
     skipped = 0
     blocks: list[tuple[list[Any], dict[str, Any], bytes | None]] = []
@@ -321,6 +354,7 @@ def load(
     for (pod, rank, medium, group, h), value, raw in blocks:
         try:
             parent = None if value["parent"] is None else bytes.fromhex(value["parent"])
+            copies = int(value.get("copies", 1))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             skipped += 1
             skip(raw, f"block {h.hex()}: {type(exc).__name__}: {exc}")
@@ -329,6 +363,8 @@ def load(
         if st is None:
             st = state.streams[(pod, rank)] = StreamState()
         st.store((medium, group), [h], parent)
+        if copies > 1:
+            st.set_copies((medium, group), h, copies)
     state.streams = dict(sorted(state.streams.items()))
     for name in COUNTERS:
         if hasattr(state, name):

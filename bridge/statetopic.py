@@ -185,8 +185,10 @@ def load_state(
     state_topic: str,
     events_topic: str,
     overrides: dict[str, Any] | None = None,
+    policy: str | None = None,
 ) -> StateSync:
-    """The state and kv-events offsets the state topic holds (empty if it does not exist)."""
+    """The state and kv-events offsets the state topic holds (empty if it does not exist).
+    ``policy``: the state policy (None: the one the state topic was built with)."""
     offsets: list[int] = []
     records = read_state_records(bootstrap, state_topic, overrides, offsets=offsets)
     if not records:
@@ -194,7 +196,10 @@ def load_state(
     where = {key: off for (key, _), off in zip(records, offsets, strict=True)}  # the latest
     undecodable = Undecodable(state_topic)
     sync, skipped = load(
-        records, events_topic, lambda key, why: undecodable.add(0, where.get(key, -1), why)
+        records,
+        events_topic,
+        lambda key, why: undecodable.add(0, where.get(key, -1), why),
+        policy=policy,
     )
     if skipped:
         log.warning(
@@ -212,11 +217,12 @@ def bootstrap_state(
     state_topic: str = DEFAULT_STATE_TOPIC,
     events_topic: str = "kv-events",
     overrides: dict[str, Any] | None = None,
+    policy: str | None = None,
 ) -> tuple[CacheState, dict[int, int]]:
     """(state, {partition: next offset}): read the state topic to its end (read_committed);
     continue with kv-events records from exactly those offsets (partitions not in the dict:
     from their beginning) to have the state a full replay would build."""
-    sync = load_state(bootstrap, state_topic, events_topic, overrides)
+    sync = load_state(bootstrap, state_topic, events_topic, overrides, policy)
     return sync.state, dict(sync.offsets)
 
 
@@ -371,10 +377,12 @@ class StateSyncer:
         commit_interval: float = 0.2,
         commit_max: int = 50_000,
         partition_check_interval: float = 30.0,
+        policy: str | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.events_topic = events_topic
         self.state_topic = state_topic
+        self.policy = policy
         self.transactional_id = transactional_id or f"kvbridge-state-sync-{state_topic}"
         self.overrides = dict(overrides or {})
         self.commit_interval = commit_interval
@@ -386,7 +394,7 @@ class StateSyncer:
         self.producer: Producer | None = None
         self.tail: EventTail | None = None
         self.undecodable: Undecodable | None = None  # the tail's: kv-events records skipped
-        self.sync = StateSync(events_topic)
+        self.sync = StateSync(events_topic, policy=policy)
         self.pending = Pending()
         self.consumed = 0
         self.commits = 0
@@ -416,7 +424,9 @@ class StateSyncer:
                 f"could not start transactions (id {self.transactional_id!r}): "
                 f"{exc.args[0].str()}. The broker needs the transaction state log"
             ) from exc
-        self.sync = load_state(self.bootstrap, self.state_topic, self.events_topic, self.overrides)
+        self.sync = load_state(
+            self.bootstrap, self.state_topic, self.events_topic, self.overrides, self.policy
+        )
         self.resumed_from = dict(self.sync.offsets)
         self.tail = EventTail(self.bootstrap, self.events_topic, self.sync.offsets, self.overrides)
         self.undecodable = self.tail.undecodable
@@ -550,7 +560,7 @@ class StateSyncer:
 
 def configure_parser(sub: Any) -> None:
     """Add `kvbridge state-sync` to the subcommands."""
-    from bridge.cliargs import add_kafka_args, duration
+    from bridge.cliargs import add_kafka_args, add_state_policy_arg, duration
 
     p = sub.add_parser(
         "state-sync",
@@ -561,6 +571,7 @@ def configure_parser(sub: Any) -> None:
         "the state topic on restart. See docs/state-topic.md.",
     )
     add_kafka_args(p)
+    add_state_policy_arg(p)
     p.add_argument(
         "--state-topic",
         default=DEFAULT_STATE_TOPIC,
@@ -616,6 +627,7 @@ def run(args: argparse.Namespace) -> int:
         overrides,
         commit_interval=args.commit_interval,
         partition_check_interval=args.partition_check_interval,
+        policy=args.state_policy,
     )
     stop = threading.Event()
 

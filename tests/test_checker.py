@@ -698,3 +698,16 @@ def test_check_topic_finds_holes_and_undecodable_records(kafka_bootstrap, make_t
     assert out[0].startswith("FAIL: 1 hole (1 batch), 1 undecodable record (2 streams")
     assert f"  a rank 0 epoch {E1}: hole: seq 1 neither delivered nor reported lost" in out
     assert "  1 record could not be decoded (skipped)" in out
+
+
+def test_records_of_a_moved_pods_old_epoch_after_its_new_one_are_checked_apart():
+    # --repartition: the pod's new epoch (StreamStarted, new partition) is read before the
+    # rest of its old epoch (old partition). The old records are no violation, and are still
+    # accounted in their own epoch: a hole there is reported, the new epoch stays current.
+    recs = [started("a", 0, E1)] + batches("a", 0, E1, [0])
+    recs += [started("a", 0, E2)] + batches("a", 0, E2, [0, 1])
+    recs += batches("a", 0, E1, [1, 3])  # late, with seq 2 missing
+    recs += batches("a", 0, E2, [2])
+    r = check(recs)
+    assert r.violations == [], r.violations
+    assert only(r).holes == [(E1, 2, 2)]

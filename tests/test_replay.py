@@ -26,9 +26,12 @@ from bridge.simulator.pod import PodSpec, SimulatedFleet
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(240)]
 
+# Physical copies (prompts served again) and CPU chunks that overlap: what the default
+# policy counts exactly.
 CACHE = ModelConfig(
-    capacity=48, clear_prob=0.02, cpu_offload_prob=0.3, cpu_capacity=24, duplicate_prob=0.1
-)
+    capacity=48, clear_prob=0.02, cpu_offload_prob=0.3, cpu_capacity=24, repeat_prob=0.3,
+    offload_chunk_blocks=3,
+)  # fmt: skip
 SPECS = [
     # Dropped batches (recovered by replay), clears, a CPU tier.
     PodSpec(name="steady", release="0.33.0", rate=200, batches=120, drop_rate=0.05, seed=1,
@@ -50,7 +53,7 @@ def model_of(fleet: SimulatedFleet) -> dict[tuple[str, int], dict]:
     for pod in fleet.pods:
         for rank in range(pod.dp_size):
             out[(pod.name, rank)] = {
-                (m, g): {h.hex() for h in hs}
+                (m, g): {"0x" + h.hex() for h in hs}
                 for (m, g), hs in fleet.resident(pod.name, rank).items()
             }
     return out
@@ -185,7 +188,7 @@ def test_query_pod_filter_and_errors(run):
     model = run["model"]
     tiers = model[("steady", 0)]
     gpu = sorted(next(b for (m, _), b in tiers.items() if m == "GPU" and b))
-    query = ",".join("0x" + h for h in gpu[:1]) + ",0x" + "ff" * 8
+    query = ",".join(gpu[:1]) + ",0x" + "ff" * 8
     out = replay(run, "--query", query, "--medium", "GPU").stdout.splitlines()
     rows = {tuple(ln.split()[:2]): int(ln.split()[2]) for ln in out[1:]}
     assert rows[("steady", "0")] == 1

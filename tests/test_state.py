@@ -83,7 +83,7 @@ def test_duplicate_records_are_skipped_by_position():
 
 
 def test_prefix_match_uses_the_64_bit_key_and_counts_hashes_sharing_it():
-    s = CacheState()
+    s = CacheState("set")
     digest = bytes(24) + H[1]  # a 32-byte digest whose key equals H[1]'s
     s.apply(rec(stored([H[0], H[1], digest], group=0), seq=0))
     s.apply(rec(stored([H[1]], group=1), seq=1))  # the same key in another group
@@ -152,7 +152,8 @@ step = st.tuples(st.sampled_from(PODS), st.integers(0, 1), st.one_of(batch_op, m
 class Reference:
     """The rules written out plainly, on plain dicts and lists."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: str = "count") -> None:
+        self.policy = policy
         self.streams: dict[tuple[str, int], dict] = {}
 
     def stream(self, key):
@@ -166,16 +167,29 @@ class Reference:
     def event(self, key, seq, op) -> None:
         s = self.stream(key)
         kind, tier, hashes, parent = op
+        copies = s.setdefault("copies", {}).setdefault(tier, {})
         if kind == "store":
             blocks = s["tiers"].setdefault(tier, {})
+            reannounce = parent is None and all(h in blocks for h in hashes)
+            counted = self.policy == "count" or (self.policy == "hits" and not reannounce)
             for h in hashes:
+                if h not in blocks:
+                    copies[h] = 1
+                elif counted:
+                    copies[h] += 1
                 blocks[h] = parent
                 parent = h
         elif kind == "remove":
             for h in hashes:
-                s["tiers"].get(tier, {}).pop(h, None)
+                if h in s["tiers"].get(tier, {}):
+                    if self.policy != "set" and copies[h] > 1:
+                        copies[h] -= 1
+                    else:
+                        del s["tiers"][tier][h]
+                        del copies[h]
         else:
             s["tiers"] = {}
+            s["copies"] = {}
             s["clears"].append(seq)
 
     def uncertain(self, key) -> bool:
@@ -201,10 +215,11 @@ class Reference:
     st.lists(step, max_size=40),
     st.lists(st.sampled_from(HASHES), min_size=1, max_size=4),
     st.sampled_from([None, "GPU", "CPU"]),
+    st.sampled_from(["count", "set", "hits"]),
 )
-def test_any_record_sequence_matches_the_reference(steps, query, medium):
-    state = CacheState()
-    ref = Reference()
+def test_any_record_sequence_matches_the_reference(steps, query, medium, policy):
+    state = CacheState(policy)
+    ref = Reference(policy)
     epoch: dict[tuple[str, int], int] = {}
     next_seq: dict[tuple[str, int], int] = {}
     history: dict[tuple[str, int], list[Record]] = {}
@@ -263,6 +278,9 @@ def test_any_record_sequence_matches_the_reference(steps, query, medium):
         }, key
         assert st_.uncertain == ref.uncertain(key), key
         assert got[key] == ref.prefix(key, keys, medium), key
+        for tier, blocks in want["tiers"].items():
+            for h in blocks:
+                assert st_.copies_of(tier, h) == want["copies"][tier][h], (key, tier, h)
     # A snapshot restores the same state and answers.
     doc = json.loads(json.dumps(state.snapshot("t", {0: 1})))
     again, _, _ = CacheState.from_snapshot(doc)
@@ -319,3 +337,106 @@ def test_progress_is_a_bar_on_a_terminal_and_log_lines_otherwise():
     bar.done()
     assert tty.getvalue().startswith("\r[#######-----") and " 25.0%  250 records" in tty.getvalue()
     assert pipe.getvalue() == ""  # log mode writes through logging, never raw bar output
+
+
+def test_a_copy_removed_leaves_the_hash_resident_under_count():
+    # vLLM keeps one physical block per copy and removes each on its own (vllm#55092).
+    for policy, left in (("count", {H[0], H[1]}), ("set", {H[0]})):
+        s = CacheState(policy)
+        s.apply(rec(stored([H[0], H[1]]), seq=0))
+        s.apply(rec(stored([H[1]], H[0]), seq=1))  # the recomputed last block: a 2nd copy
+        s.apply(rec(BlockRemoved([H[1]], medium="GPU", group_idx=0), seq=2))
+        assert s.resident("p", 0) == {("GPU", 0): left}, policy
+        keys = [int.from_bytes(h, "big") for h in (H[0], H[1])]
+        assert s.prefix_match(keys) == {("p", 0): len(left)}, policy
+    s.apply(rec(BlockRemoved([H[1]], medium="GPU", group_idx=0), seq=3))
+    assert s.resident("p", 0) == {("GPU", 0): {H[0]}}
+
+
+def test_hits_policy_takes_a_re_announced_prefix_as_no_new_copy():
+    s = CacheState("hits")
+    s.apply(rec(stored([H[0], H[1]]), seq=0))
+    s.apply(rec(stored([H[0], H[1]]), seq=1))  # report mode "full": the hits again
+    s.apply(rec(stored([H[1]], H[0]), seq=2))  # a recomputed copy (has a parent): counted
+    st_ = s.streams[("p", 0)]
+    assert (st_.copies_of(("GPU", 0), H[0]), st_.copies_of(("GPU", 0), H[1])) == (1, 2)
+
+
+def test_remaining_copy_counts_override_the_policy():
+    import msgpack
+
+    for policy in ("count", "set", "hits"):
+        s = CacheState(policy)
+        s.apply(rec(stored([H[0], H[1]]), seq=0))
+        s.apply(rec(stored([H[0], H[1]]), seq=1))
+        gone = BlockRemoved([H[0], H[1]], medium="GPU", group_idx=0)
+        gone.remaining_copy_counts = [0, 3]  # typed
+        s.apply(rec(gone, seq=2))
+        assert s.resident("p", 0) == {("GPU", 0): {H[1]}}
+        assert s.streams[("p", 0)].copies_of(("GPU", 0), H[1]) == 3
+        # As vLLM sends it today: an unknown field, preserved as msgpack.
+        raw = BlockRemoved([H[1]], medium="GPU", group_idx=0)
+        raw.extra["remaining_copy_counts"] = msgpack.packb([0])
+        s.apply(rec(raw, seq=3))
+        assert s.resident("p", 0) == {}, policy
+
+
+def test_records_of_an_older_epoch_are_not_applied():
+    s = CacheState()
+    s.apply(rec(StreamStarted(0, "x"), index=-1, epoch=1))
+    s.apply(rec(stored([H[0]]), seq=0, epoch=1))
+    s.apply(rec(StreamStarted(0, "x"), index=-1, epoch=2))  # moved: new epoch, read first
+    s.apply(rec(stored([H[1]]), seq=0, epoch=2))
+    s.apply(rec(stored([H[2]]), seq=1, epoch=1))  # the old partition's rest, read later
+    s.apply(rec(EventsLost(2, 3, "x"), seq=2, index=-1, epoch=1))
+    s.apply(rec(StreamStarted(0, "x"), index=-1, epoch=1))
+    assert s.resident("p", 0) == {("GPU", 0): {H[1]}}
+    assert s.streams[("p", 0)].epoch == 2 and not s.streams[("p", 0)].uncertain
+    assert s.stale == 3 and s.summary()["stale_skipped"] == 3
+
+
+def test_snapshots_keep_copies_and_version_1_still_loads():
+    s = CacheState()
+    s.apply(rec(stored([H[0], H[1]]), seq=0))
+    s.apply(rec(stored([H[1]], H[0]), seq=1))
+    doc = json.loads(json.dumps(s.snapshot("t", {0: 2})))
+    assert doc["version"] == 2 and doc["policy"] == "count"
+    again, _, _ = CacheState.from_snapshot(doc)
+    assert again.streams[("p", 0)].copies_of(("GPU", 0), H[1]) == 2
+    with pytest.raises(SnapshotError, match="state-policy count, not set"):
+        CacheState.from_snapshot(doc, "set")
+    v1 = dict(doc, version=1)
+    del v1["policy"]
+    for stream in v1["streams"]:
+        for t in stream["tiers"]:
+            t["blocks"] = [b[:2] for b in t["blocks"]]
+    old, _, _ = CacheState.from_snapshot(v1, "set")
+    assert old.resident("p", 0) == s.resident("p", 0) and old.policy == "set"
+
+
+def test_the_hash_consume_prints_is_read_by_query_and_the_server():
+    from bridge.cliargs import ConfigError
+    from bridge.events import key64
+    from bridge.jsonview import event_to_json
+    from bridge.readcli import parse_query
+    from bridge.stateserve import BadRequest, parse_hash
+
+    digest = bytes(range(32))
+    shown = event_to_json(stored([H[3], digest]))["block_hashes"]
+    assert shown == ["0x" + H[3].hex(), "0x" + digest.hex()]
+    keys = [key64(H[3]), key64(digest)]
+    assert parse_query(",".join(shown)) == keys
+    assert [parse_hash(h) for h in shown] == keys
+    s = CacheState()
+    s.apply(rec(stored([H[3], digest])))
+    assert s.to_json()["streams"][0]["tiers"][0]["blocks"] == sorted(shown)
+    with pytest.raises(ConfigError, match="0x61ecd2ddffece405"):
+        parse_query("61ecd2ddffece405")  # bare hex: said how to write it
+    with pytest.raises(BadRequest, match="0x61ecd2ddffece405"):
+        parse_hash("61ecd2ddffece405")
+
+
+def test_tiers_without_a_medium_are_named_as_the_engines_own_cache():
+    s = CacheState()
+    s.apply(rec(stored([H[0], H[1]], medium=None, group=None)))
+    assert s.summary()["streams"][0]["blocks_by_medium"] == {"engine": 2}

@@ -79,7 +79,7 @@ def assert_same_state(got: CacheState, want: CacheState) -> None:
 
 
 def test_each_event_maps_to_its_block_records_and_tombstones():
-    s = StateSync("kv-events")
+    s = StateSync("kv-events", policy="set")
     c = s.apply(0, 0, 1000, rec(StreamStarted(0, "tcp://x"), index=-1))
     assert blocks_of(c) == []
     ((key, meta),) = decoded(c)
@@ -132,7 +132,7 @@ def test_each_event_maps_to_its_block_records_and_tombstones():
     assert s.state.resident("p", 1) == {(None, None): {H[4]}}
 
     # PodRemoved: every rank's blocks and stream records become tombstones.
-    c = s.apply(0, 12, 1012, rec(PodRemoved("gone"), index=-1))
+    c = s.apply(0, 12, 1012, rec(PodRemoved("gone"), index=-1, epoch=2))
     assert sorted(decoded(c), key=str) == sorted(
         [
             (("block", "p", 1, None, None, H[4].hex()), None),
@@ -359,7 +359,9 @@ def test_state_sync_resumes_and_consumers_stitch_exactly(kafka_bootstrap, make_t
                 restart_at_batches=frozenset({50}), wait_for_subscriber=True),
         # frequent clears, two DP ranks, a CPU tier
         PodSpec(name="clears", release="0.33.0", rate=40, batches=120, seed=2, dp_size=2,
-                cache=ModelConfig(clear_prob=0.05, cpu_offload_prob=0.3, duplicate_prob=0.1),
+                cache=ModelConfig(
+                    clear_prob=0.05, cpu_offload_prob=0.3, repeat_prob=0.3, offload_chunk_blocks=3
+                ),
                 wait_for_subscriber=True),
         # a range lost for good (never sent, never buffered): uncertain
         PodSpec(name="lossy", release="0.23.0", rate=40, batches=120, seed=3,

@@ -4,7 +4,13 @@
 ``pod``: real ZeroMQ PUB + replay ROUTER publishers per DP rank, with fault injection.
 """
 
-from bridge.simulator.model import ModelConfig, PrefixCacheModel, apply_events, chain_hash
+from bridge.simulator.model import (
+    ModelConfig,
+    PrefixCacheModel,
+    apply_events,
+    chain_hash,
+    residency,
+)
 from bridge.simulator.pod import (
     PodSpec,
     RankEndpoints,
@@ -26,5 +32,6 @@ __all__ = [
     "apply_events",
     "chain_hash",
     "default_hash_mode",
+    "residency",
     "resolve_hash_mode",
 ]

@@ -184,12 +184,34 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="probability per engine step of a prefix-cache reset (AllBlocksCleared) (default 0)",
     )
     g.add_argument(
-        "--duplicate-prob",
+        "--repeat-prob",
         type=_probability,
         default=0.0,
         metavar="P",
-        help="probability of vLLM's legitimate duplicates: a BlockStored repeated for a "
-        "request's cache hits (kv_cache_report_mode=full), a BlockRemoved sent twice (default 0)",
+        help="probability that a request serves an earlier prompt again, block-aligned: vLLM "
+        "recomputes its last block into a second physical copy of that hash (default 0)",
+    )
+    g.add_argument(
+        "--report-full-prob",
+        type=_probability,
+        default=0.0,
+        metavar="P",
+        help="share of requests with kv_cache_report_mode=full (releases >= 0.26.0): their "
+        "prefix-cache hits are sent again as BlockStored (default 0)",
+    )
+    g.add_argument(
+        "--offload-chunk-blocks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --cpu-offload-prob: the connector's chunk mode, chunks of N blocks that "
+        "overlap by one (a block stored and removed twice); 0 = per block (default 0)",
+    )
+    g.add_argument(
+        "--copy-counts",
+        action="store_true",
+        help="send remaining_copy_counts on every BlockRemoved (vllm#48933, not released; "
+        "releases >= 0.24.0)",
     )
     g.add_argument(
         "--cpu-offload-prob",
@@ -281,7 +303,10 @@ def build_specs(args: argparse.Namespace) -> list[PodSpec]:
         capacity=args.capacity,
         clear_prob=args.clear_prob,
         cpu_offload_prob=args.cpu_offload_prob,
-        duplicate_prob=args.duplicate_prob,
+        repeat_prob=args.repeat_prob,
+        report_full_prob=args.report_full_prob,
+        offload_chunk_blocks=args.offload_chunk_blocks,
+        copy_counts=args.copy_counts,
     )
     dp = args.dp_size
     specs = []
@@ -379,7 +404,11 @@ def _write_state(fleet: SimulatedFleet, path: str) -> None:
     for pod in fleet.pods:
         for rank in range(pod.dp_size):
             tiers = [
-                {"medium": medium, "group_idx": group, "blocks": sorted(h.hex() for h in blocks)}
+                {
+                    "medium": medium,
+                    "group_idx": group,
+                    "blocks": sorted("0x" + h.hex() for h in blocks),
+                }
                 for (medium, group), blocks in sorted(
                     fleet.resident(pod.name, rank).items(), key=lambda kv: str(kv[0])
                 )

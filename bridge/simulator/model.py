@@ -21,9 +21,20 @@ What it imitates (spec §4.2, §7):
   block;
 * ``AllBlocksCleared`` with probability ``clear_prob`` per step (running requests are
   preempted first, as a reset of the prefix cache requires);
+* physical blocks as vLLM's ``BlockPool``: a block that becomes full is cached even if its
+  hash is cached already (another *copy*, with its own ``BlockStored``: a block-aligned
+  prompt served again recomputes its last block, two running requests compute the same
+  prefix), and evicting any copy emits ``BlockRemoved`` (vllm#55092);
+* from 0.26, requests with ``kv_cache_report_mode="full"`` (``report_full_prob``): their
+  prefix-cache hits are announced again as ``BlockStored`` of resident blocks;
 * optionally an offloading connector (medium ``"CPU"``, releases with ``medium`` only)
   whose events follow the block pool's in the same step, as offload placeholders
-  (``token_ids=[]``, ``block_size=0``, no parent, spec §8).
+  (``token_ids=[]``, ``block_size=0``, no parent, spec §8), per block or in chunk mode
+  (``offload_chunk_blocks``: overlapping chunks, a block stored and removed once per chunk);
+* optionally ``remaining_copy_counts`` on every ``BlockRemoved`` (vllm#48933, 0.24+).
+
+``copies()`` is the truth at every step: per tier, how many copies of each hash the
+engine holds. docs/vllm-cache-semantics.md names the vLLM sources this follows.
 
 Events carry the raw 32-byte digests; the encoder turns them into the wire form of the
 chosen hash mode. ``resident()`` reports the cache contents in the bridge's normal form.
@@ -37,7 +48,16 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, VllmEvent
+import msgpack
+
+from bridge.events import (
+    REMAINING_COPY_COUNTS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    VllmEvent,
+    copy_counts,
+)
 from bridge.vllm.encoder import normal_hash
 from bridge.vllm.releases import Release
 
@@ -47,6 +67,8 @@ MAX_TOKEN_ID = 150_000
 FIXED_NONE_HASH_SINCE = Release(0, 29, 0)
 FIXED_NONE_HASH = hashlib.sha256(b"vllm-none-hash").digest()
 _MAX_WAITING_FACTOR = 4  # arrivals beyond max_running * this are turned away
+REPORT_MODE_SINCE = Release(0, 26, 0)  # kv_cache_report_mode="full" (vllm#47923)
+MAP_EVENTS_SINCE = Release(0, 24, 0)  # events are msgpack maps: new fields travel by name
 GPU = "GPU"
 CPU = "CPU"
 FULL_ATTENTION = "full_attention"
@@ -71,11 +93,20 @@ class ModelConfig:
     token_budget: int = 512  # tokens computed per step, all requests together
     clear_prob: float = 0.0  # AllBlocksCleared per step
     cpu_offload_prob: float = 0.0  # a newly cached GPU run is offloaded to CPU
-    # vLLM's legitimate duplicates: BlockStored again for a request's prefix-cache hits
-    # (kv_cache_report_mode="full", 0.26+) and a BlockRemoved repeated (connector chunk mode).
-    duplicate_prob: float = 0.0
     cpu_capacity: int = 4096  # CPU-tier blocks
     template_seed: int = 0  # same templates on every pod using the same value
+    # A new request serves an earlier prompt again, cut to whole blocks: vLLM recomputes its
+    # last block into a new physical block, a second copy of that hash (vllm#55092).
+    repeat_prob: float = 0.0
+    # Requests with kv_cache_report_mode="full" (0.26+ only): their prefix-cache hits are
+    # announced again as a BlockStored of blocks already resident.
+    report_full_prob: float = 0.0
+    # OffloadingConnector chunk mode: CPU entries are chunks of this many blocks, each
+    # overlapping the next by one block (stored twice, removed twice); 0 = one per block.
+    offload_chunk_blocks: int = 0
+    # BlockRemoved carries remaining_copy_counts (vllm#48933, an open PR; map-encoded
+    # releases only, 0.24+, sent as the field a newer vLLM would add).
+    copy_counts: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -84,12 +115,15 @@ class ModelConfig:
             raise ValueError("capacity must be >= 4 blocks")
         if self.cpu_capacity < 1:
             raise ValueError("cpu_capacity must be >= 1 block")
+        if self.offload_chunk_blocks < 0 or self.offload_chunk_blocks == 1:
+            raise ValueError("offload_chunk_blocks must be 0 (per block) or >= 2")
         for name in (
             "followup_prob",
             "arrival_prob",
             "clear_prob",
             "cpu_offload_prob",
-            "duplicate_prob",
+            "repeat_prob",
+            "report_full_prob",
         ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be within [0, 1]")
@@ -127,12 +161,19 @@ def shared_templates(config: ModelConfig) -> list[list[int]]:
 class _Request:
     tokens: list[int]  # prompt followed by every token it will generate
     prompt_len: int
+    report_full: bool = False  # kv_cache_report_mode="full" (0.26+)
     computed: int = 0  # tokens whose KV is computed
-    blocks: list[bytes] = field(default_factory=list)  # held (pinned) full blocks, in order
+    blocks: list[int] = field(default_factory=list)  # held (pinned) physical blocks, in order
+    hashes: list[bytes] = field(default_factory=list)  # their hashes
 
 
 class PrefixCacheModel:
-    """The prefix cache of one engine core; ``step()`` yields one engine step's events."""
+    """The prefix cache of one engine core; ``step()`` yields one engine step's events.
+
+    GPU blocks are physical: as vLLM's ``BlockPool`` (``cached_block_hash_to_block``), a
+    hash may be held by several blocks (a block is never de-duplicated when it becomes
+    full), a lookup takes the first copy, and evicting any copy emits a ``BlockRemoved``.
+    """
 
     def __init__(
         self,
@@ -152,18 +193,29 @@ class PrefixCacheModel:
         stored = set(release.stored_fields)
         self._has_medium = "medium" in stored
         self._stored_has = stored
+        self._report_full = release >= REPORT_MODE_SINCE and self.config.report_full_prob > 0
+        self._copy_counts = self.config.copy_counts and release >= MAP_EVENTS_SINCE
         self.gpu_key: TierKey = (
             GPU if self._has_medium else None,
             0 if "group_idx" in stored else None,
         )
         self.cpu_key: TierKey = (CPU, None)
-        # digest -> number of running requests holding it; free (unpinned) blocks in LRU order
-        self._refs: dict[bytes, int] = {}
-        self._free: OrderedDict[bytes, None] = OrderedDict()
-        self._cpu: OrderedDict[bytes, None] = OrderedDict()
+        # Physical GPU blocks that hold a cached (full) block: id -> its hash, id -> number
+        # of running requests holding it; hash -> its copies (ids, oldest first); free
+        # (unpinned) blocks in LRU order.
+        self._hash_of: dict[int, bytes] = {}
+        self._refs: dict[int, int] = {}
+        self._copies: dict[bytes, dict[int, None]] = {}
+        self._free: OrderedDict[int, None] = OrderedDict()
+        self._next_block = 0
+        # CPU tier: entries (one block, or a chunk) in LRU order; hash -> entries holding it.
+        self._cpu: OrderedDict[tuple[bytes, ...], None] = OrderedDict()
+        self._cpu_count: dict[bytes, int] = {}
+        self._cpu_used = 0
         self._running: list[_Request] = []
         self._waiting: list[_Request] = []
         self._history: list[list[int]] = []  # finished conversations, for follow-ups
+        self._prompts: list[list[int]] = []  # recent prompts, for repeats
         self.steps = 0
 
     # --- public -----------------------------------------------------------------------
@@ -181,12 +233,9 @@ class PrefixCacheModel:
         if arrived and len(self._waiting) < _MAX_WAITING_FACTOR * cfg.max_running:
             self._waiting.append(self._new_request())
         while self._waiting and len(self._running) < cfg.max_running:
-            if not self._admit(self._waiting[0]):
+            if not self._admit(self._waiting[0], events):
                 break
-            req = self._waiting.pop(0)
-            if cfg.duplicate_prob and req.blocks and self._rng.random() < cfg.duplicate_prob:
-                hits = list(req.blocks)  # already resident: a duplicate store, by design
-                events.append(self._stored(hits, None, req.tokens[: len(hits) * cfg.block_size]))
+            self._waiting.pop(0)
         budget = cfg.token_budget
         for req in list(self._running):
             if budget <= 0:
@@ -201,11 +250,20 @@ class PrefixCacheModel:
 
     def resident(self) -> dict[TierKey, set[bytes]]:
         """Cached hashes in normal form per (medium, group_idx); empty tiers left out."""
-        out: dict[TierKey, set[bytes]] = {}
-        if self._refs:
-            out[self.gpu_key] = {normal_hash(h, self.hash_mode) for h in self._refs}
-        if self._cpu:
-            out[self.cpu_key] = {normal_hash(h, self.hash_mode) for h in self._cpu}
+        return {t: set(c) for t, c in self.copies().items()}
+
+    def copies(self) -> dict[TierKey, dict[bytes, int]]:
+        """The truth per tier: normal-form hash -> how many copies the engine holds (GPU:
+        physical blocks; CPU: offloaded entries listing it). Empty tiers left out."""
+        out: dict[TierKey, dict[bytes, int]] = {}
+        if self._copies:
+            out[self.gpu_key] = {
+                normal_hash(h, self.hash_mode): len(c) for h, c in self._copies.items()
+            }
+        if self._cpu_count:
+            out[self.cpu_key] = {
+                normal_hash(h, self.hash_mode): n for h, n in self._cpu_count.items()
+            }
         return out
 
     @property
@@ -214,45 +272,63 @@ class PrefixCacheModel:
 
     @property
     def cpu_blocks(self) -> int:
-        return len(self._cpu)
+        return self._cpu_used
 
     # --- requests ---------------------------------------------------------------------
 
     def _new_request(self) -> _Request:
         cfg, rng = self.config, self._rng
-        if self._history and rng.random() < cfg.followup_prob:
-            prefix = list(rng.choice(self._history))
-        else:
-            prefix = list(rng.choice(self._templates))
-        suffix = [rng.randint(0, MAX_TOKEN_ID) for _ in range(rng.randint(*cfg.suffix_tokens))]
-        gen = [rng.randint(0, MAX_TOKEN_ID) for _ in range(rng.randint(*cfg.gen_tokens))]
         limit = cfg.max_request_tokens
-        prompt = (prefix + suffix)[: max(1, limit - 1)] or [rng.randint(0, MAX_TOKEN_ID)]
+        if self._prompts and cfg.repeat_prob and rng.random() < cfg.repeat_prob:
+            # The same prompt again, block-aligned: every block but the last is a hit.
+            prompt = list(rng.choice(self._prompts))
+            prompt = prompt[: max(1, len(prompt) // cfg.block_size) * cfg.block_size]
+        else:
+            if self._history and rng.random() < cfg.followup_prob:
+                prefix = list(rng.choice(self._history))
+            else:
+                prefix = list(rng.choice(self._templates))
+            n_suffix = rng.randint(*cfg.suffix_tokens)
+            suffix = [rng.randint(0, MAX_TOKEN_ID) for _ in range(n_suffix)]
+            prompt = (prefix + suffix)[: max(1, limit - 1)] or [rng.randint(0, MAX_TOKEN_ID)]
+        gen = [rng.randint(0, MAX_TOKEN_ID) for _ in range(rng.randint(*cfg.gen_tokens))]
+        prompt = prompt[: max(1, limit - 1)]
         tokens = (prompt + gen)[:limit]
-        return _Request(tokens=tokens, prompt_len=len(prompt))
+        if cfg.repeat_prob:
+            self._prompts.append(prompt)
+            del self._prompts[:-16]
+        full = self._report_full and rng.random() < cfg.report_full_prob
+        return _Request(tokens=tokens, prompt_len=len(prompt), report_full=full)
 
-    def _admit(self, req: _Request) -> bool:
-        """Start ``req`` if its remaining blocks fit: pin its longest cached prefix."""
+    def _admit(self, req: _Request, events: list[VllmEvent]) -> bool:
+        """Start ``req`` if its remaining blocks fit: pin its longest cached prefix.
+
+        As vLLM's ``get_computed_blocks``: at most ``num_tokens - 1`` tokens can hit, in
+        whole blocks, so a block-aligned prompt always recomputes its last block."""
         bs = self.config.block_size
         known = req.computed if req.computed > req.prompt_len else req.prompt_len
-        hits: list[bytes] = []
+        hits: list[int] = []
+        hashes: list[bytes] = []
         parent = self.none_hash
-        for i in range(known // bs):
+        for i in range((known - 1) // bs):
             h = chain_hash(parent, req.tokens[i * bs : (i + 1) * bs])
-            if h not in self._refs:
+            copies = self._copies.get(h)
+            if not copies:
                 break
-            hits.append(h)
+            hits.append(next(iter(copies)))  # the first copy, as BlockPool.get_cached_block
+            hashes.append(h)
             parent = h
-        unpinned_hits = sum(1 for h in hits if self._refs[h] == 0)
+        unpinned_hits = sum(1 for b in hits if self._refs[b] == 0)
         available = self.config.capacity - len(self._refs) + len(self._free) - unpinned_hits
         if len(req.tokens) // bs - len(hits) > available:
             return False  # wait until running requests free enough blocks
-        for h in hits:
-            self._pin(h)
-        req.blocks = hits
-        # As vLLM: at least one token is always recomputed.
-        req.computed = min(len(hits) * bs, known - 1)
+        for b in hits:
+            self._pin(b)
+        req.blocks, req.hashes = hits, hashes
+        req.computed = len(hits) * bs
         self._running.append(req)
+        if req.report_full and hashes:  # 0.26+ report mode "full": hits announced again
+            events.append(self._stored(list(hashes), None, req.tokens[: len(hashes) * bs]))
         return True
 
     def _compute(
@@ -262,19 +338,20 @@ class PrefixCacheModel:
         target = req.computed + n
         run_start = len(req.blocks)  # index of the first block of the current run
         for i in range(len(req.blocks), target // bs):
-            parent = req.blocks[-1] if req.blocks else self.none_hash
+            parent = req.hashes[-1] if req.hashes else self.none_hash
             h = chain_hash(parent, req.tokens[i * bs : (i + 1) * bs])
-            if h in self._refs:  # cached meanwhile by another request: reuse, no event
+            b = self._allocate(req, events)
+            if b is None:
                 self._flush(req, run_start, events, connector)
-                run_start = i + 1
-                self._pin(h)
-            else:
-                if not self._allocate(req, events):
-                    self._flush(req, run_start, events, connector)
-                    self._preempt(req)
-                    return
-                self._refs[h] = 1
-            req.blocks.append(h)
+                self._preempt(req)
+                return
+            # Cached as one more copy even if the hash is cached already (vLLM does not
+            # de-duplicate, so that block tables stay append-only).
+            self._refs[b] = 1
+            self._hash_of[b] = h
+            self._copies.setdefault(h, {})[b] = None
+            req.blocks.append(b)
+            req.hashes.append(h)
         self._flush(req, run_start, events, connector)
         req.computed = target
         if req.computed >= len(req.tokens):
@@ -285,40 +362,45 @@ class PrefixCacheModel:
 
     # --- cache ------------------------------------------------------------------------
 
-    def _pin(self, h: bytes) -> None:
-        if self._refs[h] == 0:
-            del self._free[h]
-        self._refs[h] += 1
+    def _pin(self, b: int) -> None:
+        if self._refs[b] == 0:
+            del self._free[b]
+        self._refs[b] += 1
 
     def _release(self, req: _Request) -> None:
         """Unpin a request's blocks, last block first, so tails are evicted first (as vLLM)."""
-        for h in reversed(req.blocks):
-            self._refs[h] -= 1
-            if self._refs[h] == 0:
-                self._free[h] = None
+        for b in reversed(req.blocks):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free[b] = None
         req.blocks.clear()
+        req.hashes.clear()
 
-    def _allocate(self, req: _Request, events: list[VllmEvent]) -> bool:
-        """Make room for one new block: evict the LRU free block, else preempt the most
-        recently started request (as vLLM's scheduler); False if that would be ``req``."""
+    def _allocate(self, req: _Request, events: list[VllmEvent]) -> int | None:
+        """A new physical block: evict the LRU free block if the pool is full, else preempt
+        the most recently started request (as vLLM's scheduler); None if that is ``req``."""
         while len(self._refs) >= self.config.capacity:
             if self._evict(events):
                 continue
             victim = self._running[-1]
             if victim is req:
-                return False
+                return None
             self._preempt(victim)
-        return True
+        self._next_block += 1
+        return self._next_block
 
     def _evict(self, events: list[VllmEvent]) -> bool:
         if not self._free:
             return False
-        h, _ = self._free.popitem(last=False)
-        del self._refs[h]
-        events.append(self._removed(h, self.gpu_key[0], self.gpu_key[1]))
-        p = self.config.duplicate_prob
-        if p and self._rng.random() < p:
-            events.append(self._removed(h, self.gpu_key[0], self.gpu_key[1]))  # repeated
+        b, _ = self._free.popitem(last=False)
+        del self._refs[b]
+        h = self._hash_of.pop(b)
+        copies = self._copies[h]
+        del copies[b]
+        if not copies:
+            del self._copies[h]
+        # One BlockRemoved per evicted block, whether or not other copies stay (vllm#55092).
+        events.append(self._removed([h], self.gpu_key, [len(copies)]))
         return True
 
     def _preempt(self, req: _Request) -> None:
@@ -330,19 +412,23 @@ class PrefixCacheModel:
     def _clear(self) -> None:
         for req in list(self._running):
             self._preempt(req)
+        self._hash_of.clear()
         self._refs.clear()
+        self._copies.clear()
         self._free.clear()
         self._cpu.clear()
+        self._cpu_count.clear()
+        self._cpu_used = 0
 
     def _flush(
         self, req: _Request, start: int, events: list[VllmEvent], connector: list[VllmEvent]
     ) -> None:
-        """Emit the BlockStored of the newly cached run ``req.blocks[start:]``."""
-        run = req.blocks[start:]
+        """Emit the BlockStored of the newly cached run ``req.hashes[start:]``."""
+        run = req.hashes[start:]
         if not run:
             return
         bs = self.config.block_size
-        parent = req.blocks[start - 1] if start > 0 else None
+        parent = req.hashes[start - 1] if start > 0 else None
         tokens = req.tokens[start * bs : (start + len(run)) * bs]
         events.append(self._stored(run, parent, tokens))
         cfg = self.config
@@ -350,19 +436,47 @@ class PrefixCacheModel:
             self._offload(run, connector)
 
     def _offload(self, run: list[bytes], connector: list[VllmEvent]) -> None:
-        """Copy a run to the CPU tier (the newest ``cpu_capacity`` blocks of it at most)."""
-        for h in run:
-            if h in self._cpu:
-                self._cpu.move_to_end(h)
-        new = [h for h in run if h not in self._cpu][-self.config.cpu_capacity :]
+        """Copy a run to the CPU tier, as the OffloadingConnector: per block, or in chunks of
+        ``offload_chunk_blocks`` that overlap by one block (chunk mode). Entries already
+        offloaded are touched; the LRU entries are evicted to make room."""
+        size = self.config.offload_chunk_blocks
+        cap = self.config.cpu_capacity
+        if size:
+            step = size - 1
+            entries = [tuple(run[j : j + size]) for j in range(0, max(1, len(run) - 1), step)]
+        else:
+            entries = [(h,) for h in run]
+        for e in entries:
+            if e in self._cpu:
+                self._cpu.move_to_end(e)
+        new = list(dict.fromkeys(e for e in entries if e not in self._cpu and len(e) <= cap))
+        while sum(map(len, new)) > cap:
+            new.pop(0)  # keep the newest that fit
         if not new:
             return
-        while len(self._cpu) + len(new) > self.config.cpu_capacity:
+        need = sum(map(len, new))
+        while self._cpu_used + need > cap:
             old, _ = self._cpu.popitem(last=False)
-            connector.append(self._removed(old, CPU, None))
-        for h in new:
-            self._cpu[h] = None
-        connector.append(BlockStored(new, None, [], 0, medium=CPU))
+            self._cpu_used -= len(old)
+            left = []
+            for h in old:
+                n = self._cpu_count[h] - 1
+                if n:
+                    self._cpu_count[h] = n
+                else:
+                    del self._cpu_count[h]
+                left.append(n)
+            connector.append(self._removed(list(old), self.cpu_key, left))
+        for e in new:
+            self._cpu[e] = None
+            self._cpu_used += len(e)
+            for h in e:
+                self._cpu_count[h] = self._cpu_count.get(h, 0) + 1
+        if size:  # one BlockStored per chunk: a block in two chunks is stored twice
+            for e in new:
+                connector.append(BlockStored(list(e), None, [], 0, medium=CPU))
+        else:
+            connector.append(BlockStored([e[0] for e in new], None, [], 0, medium=CPU))
 
     # --- events -----------------------------------------------------------------------
 
@@ -378,27 +492,45 @@ class PrefixCacheModel:
             event.kv_cache_spec_kind = FULL_ATTENTION
         return event
 
-    def _removed(self, h: bytes, medium: str | None, group_idx: int | None) -> BlockRemoved:
-        return BlockRemoved([h], medium=medium, group_idx=group_idx)
+    def _removed(self, hashes: list[bytes], tier: TierKey, left: list[int]) -> BlockRemoved:
+        event = BlockRemoved(hashes, medium=tier[0], group_idx=tier[1])
+        if self._copy_counts:  # as a newer vLLM's field: unknown to this release's schema
+            event.extra[REMAINING_COPY_COUNTS] = msgpack.packb(left)
+        return event
 
 
 def apply_events(
-    state: dict[TierKey, set[bytes]], events: Iterable[VllmEvent]
-) -> dict[TierKey, set[bytes]]:
-    """Apply events (normal-form hashes) to a per-(medium, group_idx) state, in place.
+    state: dict[TierKey, dict[bytes, int]], events: Iterable[VllmEvent]
+) -> dict[TierKey, dict[bytes, int]]:
+    """Apply events (normal-form hashes) to per-(medium, group_idx) copy counts, in place.
 
-    The reference semantics a consumer uses (spec §12): stores add, removes discard,
-    AllBlocksCleared empties everything of that rank. Empty tiers are dropped.
-    """
+    The reference semantics of the ``count`` policy (docs/vllm-cache-semantics.md): a store
+    adds a copy of each hash, a remove drops one (``remaining_copy_counts``, when sent, sets
+    the count), AllBlocksCleared empties everything of that rank. Exact for every release's
+    physical copies and offload chunks; not for re-announced hits (``report_full_prob``).
+    Empty tiers are dropped; :func:`residency` gives the hashes per tier."""
     for e in events:
         if isinstance(e, AllBlocksCleared):
             state.clear()
         elif isinstance(e, BlockStored):
-            state.setdefault((e.medium, e.group_idx), set()).update(e.block_hashes)
+            tier = state.setdefault((e.medium, e.group_idx), {})
+            for h in e.block_hashes:
+                tier[h] = tier.get(h, 0) + 1
         elif isinstance(e, BlockRemoved):
             key = (e.medium, e.group_idx)
-            if key in state:
-                state[key].difference_update(e.block_hashes)
-                if not state[key]:
-                    del state[key]
+            tier = state.setdefault(key, {})
+            left = copy_counts(e)
+            for i, h in enumerate(e.block_hashes):
+                n = left[i] if left is not None else tier.get(h, 0) - 1
+                if n > 0:
+                    tier[h] = n
+                else:
+                    tier.pop(h, None)
+            if not tier:
+                del state[key]
     return state
+
+
+def residency(state: dict[TierKey, dict[bytes, int]]) -> dict[TierKey, set[bytes]]:
+    """The resident hashes per tier of :func:`apply_events` counts (empty tiers left out)."""
+    return {t: set(c) for t, c in state.items() if c}

@@ -299,6 +299,10 @@ class RankPublisher:
         with self._lock:
             return self.model.resident()
 
+    def copies(self) -> dict[TierKey, dict[bytes, int]]:
+        with self._lock:
+            return self.model.copies()
+
     # --- thread -------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -674,6 +678,10 @@ class SimulatedPod:
         """Current cache contents of ``rank`` (normal-form hashes per (medium, group_idx))."""
         return self.publishers[rank].resident()
 
+    def copies(self, rank: int = 0) -> dict[TierKey, dict[bytes, int]]:
+        """How many copies of each resident hash ``rank`` holds, per tier (the truth)."""
+        return self.publishers[rank].copies()
+
     def publisher(self, rank: int = 0) -> RankPublisher:
         return self.publishers[rank]
 
@@ -794,6 +802,9 @@ class SimulatedFleet:
 
     def resident(self, pod: str, rank: int = 0) -> dict[TierKey, set[bytes]]:
         return self[pod].resident(rank)
+
+    def copies(self, pod: str, rank: int = 0) -> dict[TierKey, dict[bytes, int]]:
+        return self[pod].copies(rank)
 
     def endpoints(self) -> list[dict[str, Any]]:
         """The endpoints-file content: one entry per pod."""
