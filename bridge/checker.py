@@ -53,6 +53,7 @@ from bridge.markers import (
 )
 from bridge.records import Record
 from bridge.split import PartJoiner
+from bridge.vllm.decoder import DecodeError, decode_batch
 
 __all__ = [
     "CheckReport",
@@ -130,6 +131,7 @@ class CheckReport:
     undecodable: int = 0
     allow_duplicates: bool = False
     sent_differences: list[str] | None = None  # None: no sent-log compared
+    sent_notes: list[str] = field(default_factory=list)  # what the comparison left out
     # "partition:offset: reason" of the first few undecodable records
     undecodable_samples: list[str] = field(default_factory=list)
 
@@ -266,6 +268,7 @@ class CheckReport:
                     lost.append(f"{s.name} epoch {epoch}: lost {_seqs(lo, hi)}: {reason}")
         out.extend(self.undecodable_details())
         out.extend(f"sent-log: {d}" for d in self.sent_differences or ())
+        out.extend(f"sent-log (note): {n}" for n in self.sent_notes)
         return out + lost
 
 
@@ -726,6 +729,7 @@ class TopicChecker:
             undecodable_samples=list(self.undecodable_samples),
             allow_duplicates=self.allow_duplicates,
             sent_differences=None if self._sent is None else self._sent.differences(),
+            sent_notes=[] if self._sent is None else list(self._sent.notes),
         )
 
 
@@ -772,12 +776,14 @@ class SentComparer:
         self._sent: dict[StreamKey, dict[int, dict[int, _SentBatch]]] = {}
         for n, entry in enumerate(sent, 1):
             try:
-                key = (str(entry["pod"]), int(entry["dp_rank"]))
-                inc, seq, how = int(entry["incarnation"]), int(entry["seq"]), entry["sent"]
-                events = list(entry["events"])
-            except (KeyError, TypeError, ValueError) as exc:
+                key = (str(entry["pod"]), int(entry.get("dp_rank", 0)))
+                inc, seq = int(entry.get("incarnation", 0)), int(entry["seq"])
+                how = entry.get("sent", "live")
+                events = _published_events(entry)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise SentLogError(
-                    f"sent-log entry {n}: not a simulator sent-log record ({exc!r})"
+                    f"sent-log entry {n}: not a published-batch record ({exc!r}); each line "
+                    'needs "pod" and "seq", and "events" or "payload" (see docs/operations.md)'
                 ) from exc
             if how not in ("live", "dropped", "lost"):
                 raise SentLogError(f"sent-log entry {n}: sent={how!r}, expected live/dropped/lost")
@@ -792,9 +798,21 @@ class SentComparer:
         self._lost: dict[tuple[StreamKey, int], list[tuple[int, int]]] = {}  # by epoch
         self._unknown: dict[tuple[StreamKey, int], set[int]] = {}  # by incarnation
         self._diffs: list[str] = []
+        self.notes: list[str] = []  # not differences: what the comparison left out, and why
         self._more = 0
         self._max = max_messages
         self._joiner = PartJoiner()  # a split BlockStored is compared as the event it was
+
+    def _sent_end(self, key: StreamKey, inc: int) -> int:
+        """The highest seq the sent-log can vouch for in ``inc``: its last seq there, or no
+        limit for an earlier incarnation (a later one was logged, so this one had ended);
+        -1 for an incarnation the sent-log has not reached yet."""
+        incs = self._sent.get(key, {})
+        if not incs or inc > max(incs):
+            return -1
+        if inc < max(incs):
+            return TAIL_END
+        return max(incs[inc])
 
     def _note(self, msg: str) -> None:
         if len(self._diffs) < self._max:
@@ -895,12 +913,21 @@ class SentComparer:
                     f"{label} seq {seq}: topic has {got} of the batch's {n} events"
                     for seq, got, n in partial
                 )
+        self.notes = []
         for (key, inc), seqs in sorted(self._unknown.items()):
             epoch = next((e for e, i in self._incarnations[key].items() if i == inc), None)
+            label = self._label(key, inc, epoch)
+            end = self._sent_end(key, inc)
+            tail = sorted(s for s in seqs if s > end)
+            if tail:  # the publisher went on after the sent-log was read: not compared
+                self.notes.append(
+                    f"{label}: topic has {_plural(len(tail), 'batch', 'batches')} past the "
+                    f"sent-log's end ({_seqs(tail[0], tail[-1])}): the publisher was still "
+                    "running when the sent-log was read; compared up to its end"
+                )
             out.extend(
-                f"{self._label(key, inc, epoch)}: topic has events at {_seqs(lo, hi)}, "
-                "which the sent-log does not list"
-                for lo, hi in _ranges(sorted(seqs))
+                f"{label}: topic has events at {_seqs(lo, hi)}, which the sent-log does not list"
+                for lo, hi in _ranges(sorted(s for s in seqs if s <= end))
             )
         for (key, epoch), ranges in sorted(self._lost.items()):
             inc = self._incarnations[key][epoch]
@@ -910,7 +937,10 @@ class SentComparer:
                     hi = max(known[-1] if known else lo, lo)
                     if not known or lo > known[-1]:
                         continue
-                for a, b in _missing(known, lo, hi):
+                end = self._sent_end(key, inc)
+                if lo > end:
+                    continue  # past the sent-log's end (see notes)
+                for a, b in _missing(known, lo, min(hi, end)):
                     out.append(
                         f"{self._label(key, inc, epoch)}: EventsLost covers {_seqs(a, b)}, "
                         "which the sent-log does not list"
@@ -963,6 +993,20 @@ def compare_with_sent(records: Iterable[Any], sent: Iterable[dict[str, Any]]) ->
     for r in records:
         cmp.add(r if isinstance(r, Record) else r.record)
     return cmp.differences()
+
+
+def _published_events(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """A sent-log line's events, as ``event_to_json`` shows them: its ``events`` list, or
+    its ``payload`` (the batch's msgpack bytes as hex, as captured from the engine) decoded."""
+    if "events" in entry:
+        return list(entry["events"])
+    if entry.get("sent") == "lost":
+        return []
+    try:
+        batch = decode_batch(bytes.fromhex(entry["payload"]))
+    except DecodeError as exc:
+        raise ValueError(f"payload does not decode: {exc}") from exc
+    return [event_to_json(e) for e in batch.events]
 
 
 def load_sent_log(path: str) -> list[dict[str, Any]]:
@@ -1054,8 +1098,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--expect-sent",
         metavar="FILE",
-        help="a `kvbridge simulate --sent-log` file: every batch published must be in the "
-        "topic with exactly its events, or covered by EventsLost ('-' = stdin)",
+        help="JSON lines of what was published (a `kvbridge simulate --sent-log` file, or your "
+        "own capture: pod, dp_rank, seq, and events or payload hex; docs/operations.md): every "
+        "batch published must be in the topic with exactly its events, or covered by "
+        "EventsLost; batches past its end are left out ('-' = stdin)",
     )
     p.add_argument(
         "-v", "--verbose", action="store_true", help="print every problem and lost range"
@@ -1114,4 +1160,7 @@ def run(args: argparse.Namespace) -> int:
     # Records that are not kv-events records are always listed: an operator must know.
     for line in report.details() if args.verbose else report.undecodable_details():
         print(f"  {line}")
+    if not args.verbose:  # the live tail left out of the comparison: say so
+        for note in report.sent_notes:
+            print(f"  note: {note}")
     return 0 if report.ok else 1
