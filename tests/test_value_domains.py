@@ -37,7 +37,8 @@ CONFIG = ModelConfig(
     token_budget=64,
     clear_prob=0.05,
     cpu_offload_prob=0.3,  # offloading placeholders: block_size 0, no token ids
-    duplicate_prob=0.2,
+    repeat_prob=0.2,  # physical copies: a hash stored and removed more than once
+    report_full_prob=0.1,  # 0.26+: re-announced hits
 )
 EDGE_INTS = [-1, -(2**31) - 1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, -(2**63), 0]
 BAD_FLOATS = [float("nan"), float("inf"), float("-inf"), -0.0, 1e308]
