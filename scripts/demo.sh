@@ -4,7 +4,8 @@
 # `kvbridge consume` and `kvbridge replay` rebuild from the topic. Stops all it started.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
+# shellcheck source=scripts/python-env.sh
+source scripts/python-env.sh  # PYTHON: an active venv, else .venv/ (created)
 
 echo "== installing kvbridge (pip install -e .; up to a minute on a fresh machine)"
 "$PYTHON" -m pip install -q --disable-pip-version-check --root-user-action=ignore -e .

@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
+# shellcheck source=scripts/python-env.sh
+source scripts/python-env.sh  # PYTHON: an active venv, else .venv/ (created)
 
 echo "== pip install -e '.[test]'"
 "$PYTHON" -m pip install -q --disable-pip-version-check --root-user-action=ignore -e '.[test]'
