@@ -4,7 +4,6 @@
 # Each run's output goes to .flake/run-K.log; the summary lists every failed or errored test
 # per run and the flake rate (runs with any failure / runs). Exit 1 if any run failed.
 # Installs nothing: run scripts/test.sh once first (it installs the packages and the jars).
-# Started in the background of a script, the runs still stop cleanly on SIGTERM.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 RUNS="${1:-5}"
