@@ -805,10 +805,12 @@ class SentComparer:
 
     def _sent_end(self, key: StreamKey, inc: int) -> int:
         """The highest seq the sent-log can vouch for in ``inc``: its last seq there, or no
-        limit for an earlier incarnation (a later one was logged, so this one had ended);
-        -1 for an incarnation the sent-log has not reached yet."""
+        limit for an earlier incarnation (a later one was logged, so this one had ended) or a
+        stream it does not list; -1 for an incarnation it has not reached yet."""
         incs = self._sent.get(key, {})
-        if not incs or inc > max(incs):
+        if not incs:
+            return TAIL_END  # a stream the sent-log does not know at all: everything differs
+        if inc > max(incs):
             return -1
         if inc < max(incs):
             return TAIL_END
