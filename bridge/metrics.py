@@ -43,7 +43,10 @@ class BridgeMetrics:
         )
         self.gaps = Counter(p + "gaps", "Sequence gaps detected", ["pod"], registry=r)
         self.replays = Counter(
-            p + "replays", "Replay attempts by outcome", ["pod", "outcome"], registry=r
+            p + "replays",
+            "Replay attempts by outcome (bad_reply: a reply refused as no answer to the request)",
+            ["pod", "outcome"],
+            registry=r,
         )
         self.batches_lost = Counter(
             p + "batches_lost", "vLLM batches lost beyond recovery", ["pod", "reason"], registry=r
@@ -72,6 +75,12 @@ class BridgeMetrics:
         self.dp_mismatch = Counter(
             p + "dp_rank_mismatch",
             "Batches whose data_parallel_rank disagrees with the stream",
+            ["pod"],
+            registry=r,
+        )
+        self.seq_jumps = Counter(
+            p + "seq_jumps",
+            "Live seqs beyond max_seq_jump of anything known: the stream started afresh there",
             ["pod"],
             registry=r,
         )

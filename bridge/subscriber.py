@@ -128,7 +128,7 @@ class StreamSubscriber:
         # Disconnected and libzmq did not try to reconnect: it gave the endpoint up after a
         # protocol error, which after a handshake means a message over MAXMSGSIZE.
         self.gave_up = False
-        self._synced: tuple[int, ...] = (0,) * 7
+        self._synced: tuple[int, ...] = (0,) * 9
         self.sub: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
@@ -471,6 +471,8 @@ class StreamSubscriber:
             seq.replays_given_up,
             seq.duplicates_dropped,
             seq.unverified_reconnects,
+            seq.bad_replies,
+            seq.seq_jumps,
         )
         last = self._synced
         if current == last:
@@ -484,6 +486,8 @@ class StreamSubscriber:
             m.replays.labels(pod, "given_up"),
             m.duplicates.labels(pod),
             m.unverified_reconnects.labels(pod),
+            m.replays.labels(pod, "bad_reply"),
+            m.seq_jumps.labels(pod),
         )
         for counter, now_value, before in zip(counters, current, last, strict=True):
             if now_value > before:

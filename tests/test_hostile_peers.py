@@ -145,6 +145,11 @@ def test_a_seq_jump_of_10_15_is_a_new_stream_not_a_loss(kafka_bootstrap, make_to
                 "the jumper's seq after the jump",
             )
             assert lost_total(bridge, "jumper") == 0  # not 10^15 batches lost
+            wait_for(
+                lambda: metric(bridge, "kvbridge_seq_jumps_total", pod="jumper") == 1,
+                10,
+                "the seq jump counted",
+            )
             assert_good_complete(kafka_bootstrap, topic, good_fleet)
     finally:
         evil.sock.close(linger=0)
@@ -185,6 +190,13 @@ def test_replies_beyond_the_request_are_refused(kafka_bootstrap, make_topic, goo
                 "seq 37",
             )
             assert lost_total(bridge, "liar") == 1  # seq 35 only, not ~2,000,000
+            wait_for(
+                lambda: (
+                    metric(bridge, "kvbridge_replays_total", pod="liar", outcome="bad_reply") >= 3
+                ),
+                10,
+                "the refused replies counted",
+            )
             assert metric(bridge, "kvbridge_restarts_total", pod="liar") == 0
             assert_good_complete(kafka_bootstrap, topic, good_fleet)
     finally:
