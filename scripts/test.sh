@@ -32,4 +32,4 @@ echo "== ruff"
 "$PYTHON" -m ruff format --check .
 
 echo "== pytest"
-"$PYTHON" -m pytest -q "$@"
+"$PYTHON" -m pytest -q --durations=15 "$@"
