@@ -693,7 +693,6 @@ class StreamSequencer:
         self._n_seq_jumps += 1
         if self._in_flight:
             out.append(ResetReplay())
-        self._verify = False
         self._close_epoch(out, LOST_SEQ_JUMP)
         self._new_epoch(seq)
         self._live_max = self._seen_max = seq

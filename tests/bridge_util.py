@@ -6,8 +6,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from bridge.checker import compare_with_sent
 from bridge.config import BridgeConfig, PodConfig
 from bridge.consumer import TopicReader
+from bridge.localrun import wait_until
 from bridge.records import Record
 from bridge.runner import Bridge
 
@@ -40,6 +42,31 @@ def running_bridge(bootstrap: str, topic: str, pods: list[PodConfig], **kw) -> I
 def read_all(bootstrap: str, topic: str) -> list[Record]:
     with TopicReader(bootstrap, topic) as r:
         return [c.record for c in r.read()]
+
+
+def wait_topic_agrees(
+    bootstrap: str,
+    topic: str,
+    sent: list[dict],
+    timeout: float = 60,
+    what: str = "the topic to hold what the pods published",
+    pod: str | None = None,
+) -> None:
+    """Until the topic's records (of ``pod`` only, if given) agree with the sent-log
+    (:func:`compare_with_sent`); else an AssertionError with the first differences."""
+    last: list[str] = []
+
+    def agree() -> bool:
+        records = read_all(bootstrap, topic)
+        if pod is not None:
+            records = [r for r in records if r.envelope.pod == pod]
+        last[:] = compare_with_sent(records, sent)
+        return not last
+
+    try:
+        wait_until(agree, timeout, what, interval=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {last[:10]}") from None
 
 
 def metric(bridge: Bridge, name: str, **labels: str) -> float:

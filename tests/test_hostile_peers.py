@@ -10,11 +10,11 @@ import threading
 import msgpack
 import pytest
 import zmq
-from bridge_util import metric, read_all, running_bridge
+from bridge_util import metric, read_all, running_bridge, wait_topic_agrees
 from e2e_util import wait_for
 from test_bad_input import HostilePod, valid
 
-from bridge.checker import check_topic, compare_with_sent
+from bridge.checker import check_topic
 from bridge.config import PodConfig
 from bridge.events import EventBatch
 from bridge.markers import EmptyBatch, EventsLost, PublisherRestarted, StreamStarted
@@ -88,13 +88,7 @@ def good_pod(fleet) -> PodConfig:
 
 def assert_good_complete(bootstrap: str, topic: str, fleet) -> None:
     fleet.wait_done(timeout=30)
-    sent = fleet.sent()
-
-    def good_agrees() -> bool:
-        mine = [r for r in read_all(bootstrap, topic) if r.envelope.pod == "good"]
-        return not compare_with_sent(mine, sent)
-
-    wait_for(good_agrees, 30, "good's batches")
+    wait_topic_agrees(bootstrap, topic, fleet.sent(), 30, "good's batches", pod="good")
     report = check_topic(bootstrap, topic, pods=["good"])
     assert report.ok and report.lost_batches == 0, report.details()
 

@@ -7,7 +7,7 @@ broker, then checks the topic with the checker and against the simulator's sent-
 from __future__ import annotations
 
 import pytest
-from bridge_util import metric, read_all, running_bridge
+from bridge_util import metric, read_all, running_bridge, wait_topic_agrees
 from e2e_util import free_port_block, wait_for
 
 from bridge.checker import check_topic, compare_with_sent
@@ -24,17 +24,7 @@ def pod_config(pod, replay: bool = True) -> PodConfig:
 
 def wait_topic_matches(bootstrap: str, topic: str, fleet: SimulatedFleet, timeout: float = 60):
     """Until the topic agrees with everything the fleet published (or time runs out)."""
-    sent = fleet.sent()
-    last: list[str] = []
-
-    def agree() -> bool:
-        last[:] = compare_with_sent(read_all(bootstrap, topic), sent)
-        return not last
-
-    try:
-        wait_for(agree, timeout, "the topic to hold what the pods published", interval=0.5)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}: {last[:10]}") from None
+    wait_topic_agrees(bootstrap, topic, fleet.sent(), timeout)
 
 
 def test_ten_percent_dropped_live_all_recovered(kafka_bootstrap, make_topic):

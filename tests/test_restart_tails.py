@@ -8,10 +8,9 @@ the checker."""
 from __future__ import annotations
 
 import pytest
-from bridge_util import read_all, running_bridge
-from e2e_util import wait_for
+from bridge_util import read_all, running_bridge, wait_topic_agrees
 
-from bridge.checker import TopicChecker, compare_with_sent
+from bridge.checker import TopicChecker
 from bridge.config import PodConfig
 from bridge.markers import TAIL_END, EventsLost, PublisherRestarted
 from bridge.simulator.pod import PodSpec, SimulatedFleet
@@ -51,16 +50,9 @@ def test_every_incarnation_is_in_the_topic_or_marked(kafka_bootstrap, make_topic
         with running_bridge(kafka_bootstrap, topic, pods, replay_timeout=0.5):
             fleet.wait_done(timeout=90)
             sent = fleet.sent()
-            last: list[str] = []
-
-            def agree() -> bool:
-                last[:] = compare_with_sent(read_all(kafka_bootstrap, topic), sent)
-                return not last
-
-            try:
-                wait_for(agree, 90, "the topic to hold every incarnation's batches", interval=0.5)
-            except AssertionError as exc:
-                raise AssertionError(f"{exc}: {last[:10]}") from None
+            wait_topic_agrees(
+                kafka_bootstrap, topic, sent, 90, "the topic to hold every incarnation's batches"
+            )
         stats = {p.name: p.stats()[0] for p in fleet.pods}
     # The faults really happened.
     assert stats["restart-in-replay"]["restarts"] == 2 and stats["rebind"]["restarts"] == 2

@@ -7,10 +7,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-from bridge_util import metric, read_all, running_bridge
+from bridge_util import metric, running_bridge, wait_topic_agrees
 from e2e_util import wait_for
 
-from bridge.checker import compare_with_sent
 from bridge.config import PodConfig
 from bridge.localrun import free_port
 from bridge.simulator.pod import PodSpec, SimulatedFleet
@@ -32,16 +31,7 @@ def test_first_contact_replays_the_ring_although_no_live_message_arrives(
         cfg = PodConfig(pod.name, pod.model, dead, pod.replay, 1)
         with running_bridge(kafka_bootstrap, topic, [cfg], idle_probe=0.5):
             sent = fleet.sent()
-            last: list[str] = []
-
-            def agree() -> bool:
-                last[:] = compare_with_sent(read_all(kafka_bootstrap, topic), sent)
-                return not last
-
-            try:
-                wait_for(agree, 30, "the ring's batches in the topic", interval=0.5)
-            except AssertionError as exc:
-                raise AssertionError(f"{exc}: {last[:5]}") from None
+            wait_topic_agrees(kafka_bootstrap, topic, sent, 30, "the ring's batches in the topic")
     assert len(sent) == 30
 
 
