@@ -644,6 +644,18 @@ def test_load_sent_log(tmp_path):
         load_sent_log(str(tmp_path / "absent.jsonl"))
 
 
+def test_load_sent_log_leaves_out_a_last_line_still_being_written(tmp_path):
+    path = tmp_path / "sent.jsonl"
+    whole = json.dumps(sent_entry("a", 0, 0, 0))
+    path.write_text(whole + "\n" + whole[: len(whole) // 2])
+    assert load_sent_log(str(path)) == [sent_entry("a", 0, 0, 0)]
+    path.write_text(whole + "\n" + whole)  # complete, only the newline missing
+    assert load_sent_log(str(path)) == [sent_entry("a", 0, 0, 0)] * 2
+    path.write_text(whole[:10] + "\n" + whole + "\n")  # a broken line in the middle
+    with pytest.raises(ConfigError, match="line 1: not JSON"):
+        load_sent_log(str(path))
+
+
 def test_bad_kafka_property_is_a_config_error():
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         run(parse(["--kafka-property", "nokey"]))

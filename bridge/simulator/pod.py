@@ -121,7 +121,10 @@ class PodSpec:
     seed: int = 0
     cache: ModelConfig = field(default_factory=ModelConfig)
     start_delay: float = 0.0  # seconds before the first batch (after wait_for_subscriber)
-    wait_for_subscriber: bool = False  # first batch only once a subscriber connected
+    # First batch only once a subscriber's subscription arrived. The PUB is then an XPUB:
+    # the same socket to a SUB (ZMTP lets SUB talk to either), but it shows the
+    # subscription, whereas a handshake alone leaves the first batches to the slow-joiner drop.
+    wait_for_subscriber: bool = False
     # vLLM connects its PUB instead of binding when the endpoint has no '*' (llm-d's layout:
     # one bridge SUB bound for the fleet). Rank r connects to this endpoint's port + r.
     connect_pub: str | None = None
@@ -261,12 +264,6 @@ class RankPublisher:
         self.endpoints = endpoints
         self._pub = pub
         self._router = router
-        # Monitor from the start: a subscriber may connect before this thread runs.
-        self._monitor = (
-            pub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            if self.spec.wait_for_subscriber
-            else None
-        )
         self._topic = self.spec.topic.encode()
         self._drop_rng = random.Random(f"kvbridge-drops:{self.spec.seed}:{self.spec.name}:{rank}")
         self._lock = threading.Lock()  # guards the model (stepped here, read by resident())
@@ -349,24 +346,13 @@ class RankPublisher:
             self.pod.log.notify()
 
     def _wait_for_subscriber(self) -> bool:
-        """Block until a peer completed the ZMTP handshake on the PUB (or stop)."""
+        """Block until a subscription arrived on the XPUB (or stop). The XPUB has added it
+        to its filter before handing it over: from here on, batches reach that subscriber."""
         stop = self.pod.stop_event
-        mon = self._monitor
-        assert mon is not None
-        try:
-            while not stop.is_set():
-                if mon.poll(int(_POLL_S * 1000)):
-                    mon.recv_multipart()
-                    return True
-            return False
-        finally:
-            self.close_monitor()
-
-    def close_monitor(self) -> None:
-        if self._monitor is not None:
-            self._pub.disable_monitor()
-            self._monitor.close(linger=0)
-            self._monitor = None
+        while not stop.is_set():
+            if self._pub.poll(int(_POLL_S * 1000)) and self._pub.recv()[:1] == b"\x01":
+                return True
+        return False
 
     # --- publishing ---------------------------------------------------------------------
 
@@ -380,7 +366,7 @@ class RankPublisher:
         self._new_incarnation()
         self.stats.restarts += 1
         if self.spec.rebind_on_restart:
-            self._pub = self._rebind(self._pub, self.endpoints.pub, zmq.PUB)
+            self._pub = self._rebind(self._pub, self.endpoints.pub, self.pod.pub_kind)
             if self._router is not None:
                 assert self.endpoints.replay is not None
                 self._router = self._rebind(self._router, self.endpoints.replay, zmq.ROUTER)
@@ -392,7 +378,7 @@ class RankPublisher:
         pod.forget_socket(old)
         old.close(linger=0)
         new = pod.new_socket(kind)
-        if kind == zmq.PUB:
+        if kind in (zmq.PUB, zmq.XPUB):
             new.sndhwm = new.rcvhwm = self.spec.hwm
         else:
             hwm = self.spec.rel.replay_sndhwm(self.spec.buffer_steps)
@@ -500,6 +486,7 @@ class SimulatedPod:
     ) -> None:
         self.spec = spec
         self.context = context or zmq.Context.instance()
+        self.pub_kind = zmq.XPUB if spec.wait_for_subscriber else zmq.PUB
         self.log = log or SentLog()
         self.stop_event = stop_event or threading.Event()
         self.templates = shared_templates(spec.cache)
@@ -588,7 +575,7 @@ class SimulatedPod:
         spec = self.spec
         try:
             for rank in range(spec.dp_size):
-                pub = self._socket(zmq.PUB)
+                pub = self._socket(self.pub_kind)
                 pub.sndhwm = spec.hwm
                 pub.rcvhwm = spec.hwm
                 if spec.connect_pub:
@@ -662,8 +649,6 @@ class SimulatedPod:
             p.join(timeout)
         stuck = [p for p in self.publishers if p.alive]
         if not stuck:
-            for p in self.publishers:
-                p.close_monitor()  # never started, or stopped while waiting
             self._close_sockets()
         else:  # never close a socket under a running thread
             raise RuntimeError(f"pod {self.name}: publisher thread(s) did not stop")
