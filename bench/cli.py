@@ -20,7 +20,8 @@ from bench.workload import WorkloadConfig, describe, generate
 from bridge.vllm.releases import Release
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PARTS = ("ceiling", "naive", "scaling", "workers", "latency")
+PARTS = ("ceiling", "peers", "naive", "scaling", "workers", "latency")
+LOCAL_PARTS = frozenset({"ceiling", "peers"})  # need no broker
 WORKERS_PODS = 32  # pods of the --workers runs: rendezvous hashing splits 32 pods 17/15
 MIN_BATCHES_PER_POD = 60  # each pod's cache reaches its steady state (see bench/workload.py)
 
@@ -33,6 +34,8 @@ measured in the same run on the same payloads:
            process: no sockets, no Kafka: an upper bound for the bridge's event loop.
   naive    the obvious loop (SUB recv -> msgpack -> dicts -> fastavro -> Producer.produce
            with default settings), without sequencing, replay, markers or metrics.
+  peers    AIBrix's and llm-d's Go decoders (bench/gopeers, needs Go) next to kvbridge's
+           decoder, on one CPU, on the same payloads (skipped with a note without Go).
   bridge   simulated vLLM pods (`python -m bridge simulate`) -> `python -m bridge run` ->
            a real Kafka broker, measured from outside via /proc.
 
@@ -53,6 +56,7 @@ What each number means: bench/README.md.
   python -m bench --quick                  # ~1-2 minutes
   python -m bench                          # full run, <= ~10 minutes on 2 cores
   python -m bench --only ceiling           # seconds, no broker
+  python -m bench --only peers --quick     # the Go peers (first use: builds for minutes)
   python -m bench --bootstrap localhost:9092 --skip latency --out /tmp/bench.json
 """
 
@@ -72,6 +76,7 @@ class Plan:
     budget: float  # seconds
 
     repeats: int  # runs of the bridge and the naive loop at ref_pods, interleaved; median kept
+    peer_rounds: int  # interleaved rounds of the peers part (Go, then kvbridge, alternating)
 
     @classmethod
     def quick(cls) -> Plan:
@@ -88,6 +93,7 @@ class Plan:
             loads=(0.25, 0.5, 0.9),
             budget=150,
             repeats=1,
+            peer_rounds=3,
         )
 
     @classmethod
@@ -105,6 +111,7 @@ class Plan:
             loads=(0.25, 0.5, 0.9),
             budget=600,
             repeats=3,
+            peer_rounds=5,
         )
 
 
@@ -216,6 +223,18 @@ def build_parser() -> argparse.ArgumentParser:
         "digests (default int; the ceiling always measures both)",
     )
     g.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    g.add_argument(
+        "--peer-rounds",
+        type=int,
+        metavar="N",
+        help="interleaved rounds of the peers part; medians are reported (default 3 quick, 5 full)",
+    )
+    g.add_argument(
+        "--go",
+        metavar="CMD",
+        help="the go command of the peers part (default: `go` on PATH; without one the part "
+        "is skipped with a note)",
+    )
     g = p.add_argument_group("environment and output")
     g.add_argument(
         "--bootstrap",
@@ -263,6 +282,8 @@ def _plan(args: argparse.Namespace) -> Plan:
         changes["latency_seconds"] = args.latency_seconds
     if args.repeat:
         changes["repeats"] = args.repeat
+    if args.peer_rounds:
+        changes["peer_rounds"] = args.peer_rounds
     if args.budget:
         changes["budget"] = args.budget
     return replace(plan, **changes)
@@ -279,10 +300,12 @@ class Clock:
         print(f"[{self.elapsed():5.0f}s] {message}", file=sys.stderr, flush=True)
 
 
-def _ceiling(
-    doc: dict[str, Any], plan: Plan, ref: WorkloadConfig, ref_payloads: list[bytes], clock: Clock
-) -> None:
-    variants: list[tuple[str, str, list[bytes], bool]] = [
+Variant = tuple[str, str, list[bytes], bool]  # label, description, payloads, same as e2e
+
+
+def _variants(plan: Plan, ref: WorkloadConfig, ref_payloads: list[bytes]) -> list[Variant]:
+    """The e2e mix and the three single-release workloads of the ceiling and the peers."""
+    variants: list[Variant] = [
         (
             f"e2e mix, {ref.pods} pods",
             f"the payloads of the {ref.pods}-pod throughput runs ({ref.label()})",
@@ -297,6 +320,10 @@ def _ceiling(
         form = "map" if Release.parse(release).map_events else "array"
         hashes = "32-byte hashes" if mode == "bytes" else "int hashes"
         variants.append((f"{release} {form}, {hashes}", config.label(), generate(config), False))
+    return variants
+
+
+def _ceiling(doc: dict[str, Any], variants: list[Variant], clock: Clock) -> None:
     for label, description, payloads, same in variants:
         result = run_ceiling(payloads, label, description)
         result["same_payloads_as_e2e"] = same
@@ -305,6 +332,26 @@ def _ceiling(
             f"ceiling {label}: {result['events_per_s']:,.0f} events/s, "
             f"{result['cpu_us_per_event']} µs CPU/event"
         )
+
+
+def _peers(
+    variants: list[Variant], plan: Plan, args: argparse.Namespace, clock: Clock
+) -> dict[str, Any]:
+    from bench.peers import PRIMARY, find_go, run_peers
+
+    order = sorted(variants, key=lambda v: v[0] != PRIMARY)  # the primary workload first
+    result = run_peers(
+        [(label, desc, payloads) for label, desc, payloads, _ in order],
+        plan.peer_rounds,
+        find_go(args.go),
+        clock.log,
+    )
+    for r in result.get("results", []):
+        if r["workload"] == PRIMARY:
+            clock.log(
+                f"peers {PRIMARY}: {r['name']}: {r.get('cpu_us_per_event', '-')} µs CPU/event"
+            )
+    return result
 
 
 def _guarded(what: str, clock: Clock, fn: Any, *a: Any, **kw: Any) -> dict[str, Any]:
@@ -475,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {**asdict(plan), "parts": sorted(parts), "seed": args.seed},
         "workload": {},
         "ceiling": [],
+        "peers": {"skipped": "not selected"},
         "naive": {"skipped": "not selected"},
         "bridge": {"scaling": [], "latency": []},
         "ratios": [],
@@ -498,10 +546,17 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("events", "payload_bytes", "events_per_batch", "bytes_per_batch")
         + ("share_by_type", "stored_blocks_mean")
     }
-    if "ceiling" in parts:
-        _ceiling(doc, plan, ref, ref_payloads, clock)
+    variants = _variants(plan, ref, ref_payloads) if parts & LOCAL_PARTS else []
     del ref_payloads
-    if parts - {"ceiling"}:
+    if "ceiling" in parts:
+        _ceiling(doc, variants, clock)
+    if "peers" in parts:
+        doc["peers"] = _guarded("peers", clock, _peers, variants, plan, args, clock)
+        if "skipped" in doc["peers"]:
+            clock.log(f"peers skipped: {doc['peers']['skipped']}")
+            doc["notes"].append(f"peers skipped: {doc['peers']['skipped']}")
+    del variants
+    if parts - LOCAL_PARTS:
         doc["notes"] += [
             "Throughput runs: the bridge runs with --first-contact live (otherwise it would read "
             "the whole backlog twice, replay + live); latency runs use every default.",

@@ -7,6 +7,22 @@ Top-level keys of the JSON document (``SCHEMA_VERSION`` 1):
 ``settings``    the options of the run (pod counts, sizes, seed, ...)
 ``workload``    what the payloads contain (:func:`bench.workload.describe`) and their config
 ``ceiling``     list of ceiling results (:func:`bench.ceiling.run_ceiling`)
+``peers``       the Go peers next to kvbridge's decoder (:func:`bench.peers.run_peers`), or
+                {"skipped": why} (not selected, or no ``go`` command) / {"error": ...}:
+                {"rounds", "pinned_cpu" (the one CPU every decoder ran on; null where the OS
+                cannot pin), "primary" (the workload every peer accepts),
+                "go": {"version", "gomaxprocs", "modules": {module path: version},
+                "decoders": {key: what it calls}, "go_version", "binary", "build_seconds",
+                "cached"},
+                "workloads": [{"label", "description", "batches", "events"}],
+                "results": [one per decoder and workload: {"workload", "decoder" (aibrix,
+                llm-d, msgpack: Go; kvbridge_decode, kvbridge_decode_encode, python_unpackb:
+                this process), "name", "batches", "ok_batches", "failed_batches", "events"
+                (of the decoded batches), "accepts_all", "events_agree" (every batch decoded,
+                to as many events as kvbridge's decoder found), "first_error" (if any),
+                "cpu_seconds" (median), and only when every batch decoded:
+                "cpu_us_per_event" (median of the rounds), "cpu_us_per_event_min", "_max",
+                "cpu_us_per_event_rounds", "events_per_s" (median, wall clock)}]}
 ``naive``       drain result of the naive loop (:func:`bench.e2e.drain_run`; the median of
                 the repeats, each listed under "repeats"), or {"skipped": ...} / {"error": ...}
 ``bridge``      {"warmup": drain result, "scaling": [drain results by pod count; the
@@ -26,6 +42,9 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 TOP_KEYS = ("bench", "machine", "settings", "workload", "ceiling", "naive", "bridge", "ratios")
+PEER_KEYS = ("rounds", "pinned_cpu", "go", "workloads", "primary", "results")
+PEER_RESULT_KEYS = ("workload", "decoder", "name", "batches", "failed_batches", "events")
+PEER_RESULT_KEYS += ("accepts_all", "events_agree", "cpu_seconds")
 CEILING_KEYS = ("label", "events", "payload_bytes", "seconds", "events_per_s", "mb_per_s")
 CEILING_KEYS += ("cpu_us_per_event", "decode_cpu_us_per_event", "encode_cpu_us_per_event")
 DRAIN_KEYS = ("target", "pods", "events", "seconds", "events_per_s", "mb_per_s")
@@ -48,8 +67,38 @@ def _ratio(name: str, num: Any, den: Any, num_label: str, den_label: str) -> dic
     return {"name": name, "value": value, "numerator": num_label, "denominator": den_label}
 
 
+def _peer_ratios(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """kvbridge's decoder speed per core over each Go peer's, on the workload all accept."""
+    peers = doc.get("peers")
+    if not _ok(peers):
+        return []
+    primary = {
+        r["decoder"]: r
+        for r in peers.get("results", [])
+        if r.get("workload") == peers.get("primary") and "cpu_us_per_event" in r
+    }
+    mine = primary.get("kvbridge_decode")
+    if mine is None:
+        return []
+    out = []
+    for key, peer, target in (("aibrix", "AIBrix", " (target >= 1.0)"), ("llm-d", "llm-d", "")):
+        if key in primary:
+            out.append(
+                _ratio(
+                    f"kvbridge decode / {peer} speed per core{target}",
+                    primary[key]["cpu_us_per_event"],
+                    mine["cpu_us_per_event"],
+                    f"{primary[key]['name']}, CPU µs/ev",
+                    f"{mine['name']}, CPU µs/ev ({peers['primary']})",
+                )
+            )
+    return out
+
+
 def compute_ratios(doc: dict[str, Any], ref_pods: int) -> list[dict[str, Any]]:
-    """bridge/ceiling and bridge/naive, for events/s and CPU per event, from this document."""
+    """bridge/ceiling and bridge/naive, for events/s and CPU per event, from this document;
+    kvbridge's decoder against the Go peers'."""
+    peer_ratios = _peer_ratios(doc)
     ceiling = next((c for c in doc.get("ceiling", []) if c.get("same_payloads_as_e2e")), None)
     bridge = next(
         (r for r in doc.get("bridge", {}).get("scaling", []) if _ok(r) and r["pods"] == ref_pods),
@@ -57,7 +106,7 @@ def compute_ratios(doc: dict[str, Any], ref_pods: int) -> list[dict[str, Any]]:
     )
     naive = doc.get("naive")
     if bridge is None:
-        return []
+        return peer_ratios
     b_label = f"bridge, {ref_pods} pods"
     out = []
     if ceiling is not None:
@@ -114,7 +163,7 @@ def compute_ratios(doc: dict[str, Any], ref_pods: int) -> list[dict[str, Any]]:
                     f"bridge --workers 1, {one['pods']} pods",
                 )
             )
-    return out
+    return out + peer_ratios
 
 
 def validate(doc: dict[str, Any]) -> list[str]:
@@ -138,6 +187,11 @@ def validate(doc: dict[str, Any]) -> list[str]:
 
     for i, c in enumerate(doc.get("ceiling", [])):
         check(c, CEILING_KEYS, f"ceiling[{i}]")
+    peers = doc.get("peers", {"skipped": "absent"})
+    check(peers, PEER_KEYS, "peers")
+    if _ok(peers):
+        for i, r in enumerate(peers.get("results", [])):
+            check(r, PEER_RESULT_KEYS, f"peers.results[{i}]")
     if "naive" in doc:
         check(doc["naive"], DRAIN_KEYS, "naive")
     bridge = doc.get("bridge", {})
@@ -195,6 +249,77 @@ def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
             )
         )
     return out
+
+
+def _short(label: str) -> str:
+    return label.replace(" hashes", "").replace("32-byte", "bytes")
+
+
+def _render_peers(peers: Any) -> list[str]:
+    """The peer tables: every decoder on the primary workload; what each accepts."""
+    if not isinstance(peers, dict) or peers.get("skipped") == "not selected":
+        return []
+    if "skipped" in peers or "error" in peers:
+        return ["", f"Peers: {peers.get('skipped') or 'failed: ' + str(peers.get('error'))}"]
+    results = peers["results"]
+    primary = peers["primary"]
+    workload = next((w for w in peers["workloads"] if w["label"] == primary), {})
+    cpu = peers["pinned_cpu"]
+    go = peers["go"]
+    mods = ", ".join(
+        f"{m.split('/')[-1] if 'msgpack' not in m else 'msgpack/v5'} {v}"
+        for m, v in sorted(go.get("modules", {}).items())
+    )
+    lines = [
+        "",
+        f"Peers: {primary} ({workload.get('batches', 0):,} batches, "
+        f"{workload.get('events', 0):,} events), all on CPU {cpu}, median of {peers['rounds']} "
+        f"interleaved rounds ({go.get('version')}, GOMAXPROCS {go.get('gomaxprocs')}; {mods})",
+    ]
+    mine = next(
+        (r for r in results if r["workload"] == primary and r["decoder"] == "kvbridge_decode"),
+        {},
+    )
+    headers = ["decoder", "CPU µs/ev", "min-max", "events/s", "kvbridge decode CPU / this"]
+    headers += ["events", "all decoded"]
+    rows = []
+    for r in results:
+        if r["workload"] != primary:
+            continue
+        per = r.get("cpu_us_per_event")
+        rel = mine.get("cpu_us_per_event") / per if per and mine.get("cpu_us_per_event") else None
+        rows.append(
+            [
+                r["name"],
+                per,
+                f"{_fmt(r.get('cpu_us_per_event_min'))}-{_fmt(r.get('cpu_us_per_event_max'))}",
+                r.get("events_per_s"),
+                "-" if rel is None else f"{rel:.2f}",
+                r["events"],
+                r["events_agree"],
+            ]
+        )
+    lines += _table(headers, rows)
+    labels = [w["label"] for w in peers["workloads"]]
+    lines += ["", "Peers: CPU µs/ev per workload where every batch decoded, else batches rejected"]
+    rows = []
+    errors: list[str] = []
+    for name in dict.fromkeys(r["name"] for r in results):
+        row: list[Any] = [name]
+        for label in labels:
+            r = next((x for x in results if x["name"] == name and x["workload"] == label), None)
+            if r is None:
+                row.append("-")
+            elif r["accepts_all"]:
+                row.append(r.get("cpu_us_per_event"))
+            else:
+                row.append(f"rejects {r['failed_batches']:,}/{r['batches']:,}")
+                if r.get("first_error") and not any(e.startswith(name) for e in errors):
+                    errors.append(f"{name} on {label}: {r['first_error'][:160]}")
+        rows.append(row)
+    lines += _table(["decoder", *map(_short, labels)], rows)
+    lines += [f"  {e}" for e in errors]
+    return lines
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -260,6 +385,8 @@ def render(doc: dict[str, Any]) -> str:
         rows.append(drain_row(f"bridge --workers {r.get('workers', '?')}", r))
     lines += _table(headers, rows)
     lines += [f"  {p}" for p in problems]
+
+    lines += _render_peers(doc.get("peers"))
 
     lat = doc.get("bridge", {}).get("latency", [])
     if lat:
