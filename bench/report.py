@@ -340,7 +340,7 @@ def render(doc: dict[str, Any]) -> str:
             + f"; BlockStored {w.get('stored_blocks_min')}-{w.get('stored_blocks_max')} blocks "
             f"(mean {w.get('stored_blocks_mean')}) of {w.get('tokens_per_block')} tokens"
         )
-    lines += ["", "Throughput (ceiling: in-process; others: backlog drained into Kafka, acked)"]
+    throughput_title = "Throughput (ceiling: in-process; others: backlog drained into Kafka, acked)"
     headers = ["run", "pods", "events", "ev/batch", "seconds", "events/s", "MB/s", "CPU µs/ev"]
     headers += ["cores"]
     headers += ["idle MB", "RSS MB", "peak MB", "other cores", "complete"]
@@ -377,13 +377,14 @@ def render(doc: dict[str, Any]) -> str:
         ]
 
     naive = doc.get("naive")
-    if isinstance(naive, dict):
+    if isinstance(naive, dict) and naive.get("skipped") != "not selected":
         rows.append(drain_row("naive loop", naive))
     for r in doc.get("bridge", {}).get("scaling", []):
         rows.append(drain_row("bridge", r))
     for r in doc.get("bridge", {}).get("workers", []):
         rows.append(drain_row(f"bridge --workers {r.get('workers', '?')}", r))
-    lines += _table(headers, rows)
+    if rows:
+        lines += ["", throughput_title, *_table(headers, rows)]
     lines += [f"  {p}" for p in problems]
 
     lines += _render_peers(doc.get("peers"))
