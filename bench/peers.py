@@ -36,6 +36,7 @@ from typing import Any
 
 import msgpack
 
+from bench.procstat import machine_busy_seconds
 from bridge import avro_encode
 from bridge.records import RecordCodec
 from bridge.vllm.decoder import decode_batch
@@ -226,6 +227,14 @@ def _pin() -> tuple[int | None, set[int] | None]:
     return cpu, before
 
 
+def _busy(cpu: int | None) -> tuple[float, float, float, float]:
+    """(machine busy s, CPU ``cpu`` busy s, this process's and its children's CPU s, time)."""
+    t = os.times()
+    own = t.user + t.system + t.children_user + t.children_system
+    cpu_busy = machine_busy_seconds(cpu) if cpu is not None else 0.0
+    return machine_busy_seconds(), cpu_busy, own, time.monotonic()
+
+
 def _summary(runs: list[dict[str, Any]], expected_events: int) -> dict[str, Any]:
     """Median (and spread) over the rounds of one decoder on one workload."""
     last = runs[-1]
@@ -276,6 +285,7 @@ def run_peers(
             write_payloads(files[-1], payloads)
         by_file = {str(f): label for f, (label, _, _) in zip(files, workloads, strict=True)}
         cpu, before = _pin()
+        busy0, cpu_busy0, own0, t0 = _busy(cpu)
         try:
             for r in range(rounds):
                 for side in ("go", "python") if r % 2 == 0 else ("python", "go"):
@@ -292,6 +302,7 @@ def run_peers(
         finally:
             if before is not None:
                 os.sched_setaffinity(0, before)
+        busy1, cpu_busy1, own1, t1 = _busy(cpu)
     results = []
     for label, _, _ in workloads:
         expected = runs[("kvbridge_decode", label)][-1]["events"]
@@ -303,6 +314,13 @@ def run_peers(
     return {
         "rounds": rounds,
         "pinned_cpu": cpu,
+        "seconds": round(t1 - t0, 1),
+        # CPU that anything but this process and its children used meanwhile: machine-wide
+        # (in cores), and on the pinned CPU (its share of that CPU's time).
+        "other_cores": round(max(0.0, busy1 - busy0 - (own1 - own0)) / (t1 - t0), 2),
+        "pinned_cpu_other_share": None
+        if cpu is None
+        else round(max(0.0, cpu_busy1 - cpu_busy0 - (own1 - own0)) / (t1 - t0), 2),
         "go": {
             "version": go_doc.get("go"),
             "gomaxprocs": go_doc.get("gomaxprocs"),

@@ -39,10 +39,13 @@ def self_cpu_seconds() -> float:
     return t.user + t.system
 
 
-def machine_busy_seconds() -> float:
-    """CPU seconds all CPUs spent on anything but idle and iowait since boot (/proc/stat)."""
+def machine_busy_seconds(cpu: int | None = None) -> float:
+    """CPU seconds all CPUs (or CPU ``cpu`` alone) spent on anything but idle and iowait since
+    boot (/proc/stat)."""
     with open("/proc/stat", encoding="ascii") as f:
         fields = f.readline().split()
+        if cpu is not None:
+            fields = next(line.split() for line in f if line.startswith(f"cpu{cpu} "))
     # cpu user nice system idle iowait irq softirq steal (guest time is counted in user)
     values = [int(x) for x in fields[1:9]]
     return (sum(values) - values[3] - values[4]) / _TICKS

@@ -10,7 +10,10 @@ Top-level keys of the JSON document (``SCHEMA_VERSION`` 1):
 ``peers``       the Go peers next to kvbridge's decoder (:func:`bench.peers.run_peers`), or
                 {"skipped": why} (not selected, or no ``go`` command) / {"error": ...}:
                 {"rounds", "pinned_cpu" (the one CPU every decoder ran on; null where the OS
-                cannot pin), "primary" (the workload every peer accepts),
+                cannot pin), "seconds" (of the rounds), "other_cores" (CPU used meanwhile by
+                anything but this process and its children, in cores), "pinned_cpu_other_share"
+                (the same on the pinned CPU: its share of that CPU's time), "primary" (the
+                workload every peer accepts),
                 "go": {"version", "gomaxprocs", "modules": {module path: version},
                 "decoders": {key: what it calls}, "go_version", "binary", "build_seconds",
                 "cached"},
@@ -42,7 +45,7 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 TOP_KEYS = ("bench", "machine", "settings", "workload", "ceiling", "naive", "bridge", "ratios")
-PEER_KEYS = ("rounds", "pinned_cpu", "go", "workloads", "primary", "results")
+PEER_KEYS = ("rounds", "pinned_cpu", "other_cores", "go", "workloads", "primary", "results")
 PEER_RESULT_KEYS = ("workload", "decoder", "name", "batches", "failed_batches", "events")
 PEER_RESULT_KEYS += ("accepts_all", "events_agree", "cpu_seconds")
 CEILING_KEYS = ("label", "events", "payload_bytes", "seconds", "events_per_s", "mb_per_s")
@@ -275,6 +278,8 @@ def _render_peers(peers: Any) -> list[str]:
         f"Peers: {primary} ({workload.get('batches', 0):,} batches, "
         f"{workload.get('events', 0):,} events), all on CPU {cpu}, median of {peers['rounds']} "
         f"interleaved rounds ({go.get('version')}, GOMAXPROCS {go.get('gomaxprocs')}; {mods})",
+        f"  meanwhile other processes used {_fmt(peers.get('other_cores'))} cores, and "
+        f"{_fmt(peers.get('pinned_cpu_other_share'))} of CPU {cpu}",
     ]
     mine = next(
         (r for r in results if r["workload"] == primary and r["decoder"] == "kvbridge_decode"),
