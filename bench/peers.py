@@ -271,7 +271,7 @@ def run_peers(
     """
     if go is None:
         return {
-            "skipped": "no `go` command on PATH: install Go >= 1.24 (https://go.dev/doc/install) "
+            "skipped": "no `go` command on PATH: install Go >= 1.24 "
             "to time the AIBrix and llm-d decoders (bench/README.md, 'Peers')"
         }
     binary, build_info = build(go, log)
