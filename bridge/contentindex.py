@@ -1,0 +1,430 @@
+"""The content index: resident blocks by content key, for scoring a prompt's token ids (pure).
+
+Kept next to :class:`bridge.state.CacheState`, which decides residency (policies, copies,
+EventsLost) and tells this index when an engine hash enters or leaves a tier of a stream.
+Here, per stream:
+
+* each *slot* (a tier: medium, group_idx) maps its resident, indexed engine hashes to their
+  content keys (:mod:`bridge.contentkeys`). A ``BlockStored`` with tokens computes the keys
+  from the parent's (looked up by the parent's engine hash in the stream); one without
+  tokens (offload placeholders, ``block_size=0``) takes each hash's key from the stream's
+  other tiers, or from the keys of hashes that left them recently (an offload can be
+  reported after the GPU block was evicted);
+* a block that cannot be keyed is left out and counted in :attr:`ContentIndex.skipped` by
+  reason; it never gets a wrong key, and a child of it is unkeyable too (its parent unknown).
+
+Globally, each content key maps to the slots holding it and to the streams holding it in any
+tier, as bit masks (one bit per slot, one per stream; a single holder as ``~bit``). Scoring
+walks the prompt's blocks once per block size in the model's fleet, computing keys as it
+goes and AND-ing masks: O(prompt blocks + matching slots), whatever the number of pods.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from hashlib import blake2b
+
+from bridge.contentkeys import (
+    KEY_BYTES,
+    chain,
+    lora_of,
+    pack_tokens,
+    root_key,
+    stored_extra,
+)
+from bridge.events import BlockStored
+
+StreamKey = tuple[str, int]
+Tier = tuple[str | None, int | None]
+RECENT_KEYS = 1024  # per stream: keys of hashes that left every tier, kept for placeholders
+SKIP_REASONS = ("misaligned", "token_domain", "lookahead", "unchained", "unknown_hash")
+
+
+def _set_bit(holders: dict[bytes, int], k: bytes, bit: int) -> bool:
+    """Set ``bit`` for ``k``; True if it was set already."""
+    m = holders.get(k)
+    if m is None:
+        holders[k] = ~bit
+        return False
+    if m < 0:
+        if ~m == bit:
+            return True
+        holders[k] = (1 << ~m) | (1 << bit)
+        return False
+    one = 1 << bit
+    if m & one:
+        return True
+    holders[k] = m | one
+    return False
+
+
+def _clear_bit(holders: dict[bytes, int], k: bytes, bit: int) -> None:
+    m = holders.get(k)
+    if m is None:
+        return
+    if m < 0:
+        if ~m == bit:
+            del holders[k]
+        return
+    m &= ~(1 << bit)
+    if m & (m - 1):
+        holders[k] = m
+    elif m:
+        holders[k] = ~(m.bit_length() - 1)
+    else:  # pragma: no cover (a positive mask has two bits or more)
+        del holders[k]
+
+
+def _bits(m: int) -> Iterable[int]:
+    while m:
+        low = m & -m
+        yield low.bit_length() - 1
+        m ^= low
+
+
+@dataclass(slots=True, eq=False)
+class _Slot:
+    bit: int
+    tier: Tier
+    owner: StreamKey
+    held: dict[bytes, bytes] = field(default_factory=dict)  # engine hash -> content key
+    extra: dict[bytes, int] = field(default_factory=dict)  # content key -> holders, if > 1
+
+
+@dataclass(slots=True, eq=False)
+class _Stream:
+    key: StreamKey
+    bit: int
+    model: str
+    block_size: int = 0  # of its last keyed store; 0 until one
+    slots: dict[Tier, _Slot] = field(default_factory=dict)
+    extra: dict[bytes, int] = field(default_factory=dict)  # content key -> slot entries, if > 1
+    recent: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)
+
+    def lookup(self, h: bytes) -> bytes | None:
+        for slot in self.slots.values():
+            k = slot.held.get(h)
+            if k is not None:
+                return k
+        return self.recent.get(h)
+
+
+@dataclass(slots=True)
+class Score:
+    """One stream's answer: leading blocks resident per tier, and in any tier."""
+
+    block_size: int
+    tiers: dict[Tier, int]
+    any_tier: int
+
+
+class ContentIndex:
+    def __init__(self) -> None:
+        self.slot_holders: dict[bytes, int] = {}
+        self.stream_holders: dict[bytes, int] = {}
+        self.streams: dict[StreamKey, _Stream] = {}
+        self._slot_bits: list[_Slot | None] = []
+        self._stream_bits: list[_Stream | None] = []
+        self._free_slot_bits: list[int] = []
+        self._free_stream_bits: list[int] = []
+        self.sizes: dict[str, Counter[int]] = {}  # model -> block size -> streams
+        self.skipped: Counter[str] = Counter()
+        self._roots: dict[tuple[str, str | int | None, int], bytes] = {}
+
+    # --- bookkeeping ----------------------------------------------------------------------
+
+    def root(self, model: str, lora: str | int | None, block_size: int) -> bytes:
+        k = (model, lora, block_size)
+        r = self._roots.get(k)
+        if r is None:
+            r = self._roots[k] = root_key(model, lora, block_size)
+        return r
+
+    def _stream(self, key: StreamKey, model: str) -> _Stream:
+        s = self.streams.get(key)
+        if s is not None and s.model != model:  # the pod now serves another model
+            self.forget_stream(key)
+            s = None
+        if s is None:
+            bit = self._free_stream_bits.pop() if self._free_stream_bits else len(self._stream_bits)
+            s = _Stream(key, bit, model)
+            if bit == len(self._stream_bits):
+                self._stream_bits.append(s)
+            else:
+                self._stream_bits[bit] = s
+            self.streams[key] = s
+        return s
+
+    def _slot(self, s: _Stream, tier: Tier) -> _Slot:
+        slot = s.slots.get(tier)
+        if slot is None:
+            bit = self._free_slot_bits.pop() if self._free_slot_bits else len(self._slot_bits)
+            slot = s.slots[tier] = _Slot(bit, tier, s.key)
+            if bit == len(self._slot_bits):
+                self._slot_bits.append(slot)
+            else:
+                self._slot_bits[bit] = slot
+        return slot
+
+    def _set_size(self, s: _Stream, block_size: int) -> None:
+        if s.block_size == block_size:
+            return
+        sizes = self.sizes.setdefault(s.model, Counter())
+        if s.block_size:
+            sizes[s.block_size] -= 1
+            if sizes[s.block_size] <= 0:
+                del sizes[s.block_size]
+        sizes[block_size] += 1
+        s.block_size = block_size
+
+    def _add(self, s: _Stream, slot: _Slot, h: bytes, k: bytes) -> None:
+        slot.held[h] = k
+        if _set_bit(self.slot_holders, k, slot.bit):
+            slot.extra[k] = slot.extra.get(k, 1) + 1
+        if _set_bit(self.stream_holders, k, s.bit):
+            s.extra[k] = s.extra.get(k, 1) + 1
+
+    def _drop(self, s: _Stream, slot: _Slot, h: bytes) -> None:
+        k = slot.held.pop(h, None)
+        if k is None:
+            return
+        n = slot.extra.get(k)
+        if n:
+            if n > 2:
+                slot.extra[k] = n - 1
+            else:
+                del slot.extra[k]
+        else:
+            _clear_bit(self.slot_holders, k, slot.bit)
+        n = s.extra.get(k)
+        if n:
+            if n > 2:
+                s.extra[k] = n - 1
+            else:
+                del s.extra[k]
+        else:
+            _clear_bit(self.stream_holders, k, s.bit)
+            s.recent[h] = k
+            if len(s.recent) > RECENT_KEYS:
+                s.recent.popitem(last=False)
+
+    # --- what CacheState reports ------------------------------------------------------------
+
+    def stored(
+        self, key: StreamKey, model: str, resident: dict[bytes, object], tier: Tier, ev: BlockStored
+    ) -> None:
+        """``ev`` was applied to ``tier`` (whose resident hashes are ``resident``)."""
+        s = self._stream(key, model)
+        hashes = ev.block_hashes
+        n = len(hashes)
+        if not n:
+            return
+        keys = self._keys(s, ev, n)
+        slot = self._slot(s, tier)
+        held = slot.held
+        for i, h in enumerate(hashes):
+            if h in held or h not in resident:
+                continue
+            if keys is not None:
+                k = keys[i]  # None: skipped and counted by _keys
+            else:
+                k = s.lookup(h)
+                if k is None:
+                    self.skipped["misaligned" if ev.token_ids else "unknown_hash"] += 1
+            if k is not None:
+                self._add(s, slot, h, k)
+
+    def _keys(self, s: _Stream, ev: BlockStored, n: int) -> list[bytes | None] | None:
+        """The content keys of a store's blocks from its tokens; None when they cannot be
+        computed from it (no tokens, or tokens not lining up: then per-hash lookups)."""
+        bs = ev.block_size
+        toks = ev.token_ids
+        if bs <= 0 or len(toks) != n * bs:
+            return None
+        reason = None
+        look = ev.lookahead_token_ids
+        if look is not None and any(look):
+            reason = "lookahead"  # lookahead tokens went into the hash: a query cannot tell
+        parent = ev.parent_block_hash
+        if parent is None:
+            pk: bytes | None = self.root(s.model, lora_of(ev.lora_name, ev.lora_id), bs)
+        else:
+            pk = s.lookup(parent)
+            if pk is None and reason is None:
+                reason = "unchained"
+        buf = pack_tokens(toks) if reason is None else None
+        if reason is None and buf is None:
+            reason = "token_domain"
+        if reason is not None:
+            # What the stream already keyed for these hashes stays valid; the rest is skipped.
+            known = [s.lookup(h) for h in ev.block_hashes]
+            self.skipped[reason] += sum(1 for k in known if k is None)
+            return known
+        extras = None
+        ek = ev.extra_keys
+        if ek is not None and len(ek) == n and ek.count(None) != n:
+            extras = [stored_extra(e, ev.lora_name) for e in ek]
+        self._set_size(s, bs)
+        assert pk is not None and buf is not None
+        return list(chain(pk, buf, bs, n, extras))
+
+    def removed(
+        self, key: StreamKey, resident: dict[bytes, object] | None, tier: Tier, hashes: list[bytes]
+    ) -> None:
+        """A remove was applied to ``tier``; ``resident``: what the tier still holds (a
+        ``remaining_copy_counts`` can also make a hash resident)."""
+        s = self.streams.get(key)
+        if s is None:
+            return
+        slot = s.slots.get(tier)
+        for h in hashes:
+            if resident is None or h not in resident:
+                if slot is not None:
+                    self._drop(s, slot, h)
+            else:
+                if slot is None:
+                    slot = self._slot(s, tier)
+                if h not in slot.held:
+                    k = s.lookup(h)
+                    if k is None:
+                        self.skipped["unknown_hash"] += 1
+                    else:
+                        self._add(s, slot, h, k)
+
+    def resync(self, key: StreamKey, tier: Tier, resident: dict[bytes, object] | None) -> None:
+        """Drop what ``tier`` no longer holds (after a change not told hash by hash)."""
+        s = self.streams.get(key)
+        slot = s.slots.get(tier) if s is not None else None
+        if s is None or slot is None:
+            return
+        for h in [h for h in slot.held if resident is None or h not in resident]:
+            self._drop(s, slot, h)
+
+    def cleared(self, key: StreamKey) -> None:
+        """Every tier of the stream was emptied (its recent keys stay valid)."""
+        s = self.streams.get(key)
+        if s is None:
+            return
+        for slot in s.slots.values():
+            for h in list(slot.held):
+                self._drop(s, slot, h)
+
+    def forget_stream(self, key: StreamKey) -> None:
+        """A new incarnation, a fresh start, or a removed pod: nothing of it is kept."""
+        s = self.streams.pop(key, None)
+        if s is None:
+            return
+        for slot in s.slots.values():
+            for h in list(slot.held):
+                self._drop(s, slot, h)
+            self._slot_bits[slot.bit] = None
+            self._free_slot_bits.append(slot.bit)
+        self._stream_bits[s.bit] = None
+        self._free_stream_bits.append(s.bit)
+        if s.block_size:
+            sizes = self.sizes.get(s.model)
+            if sizes is not None:
+                sizes[s.block_size] -= 1
+                if sizes[s.block_size] <= 0:
+                    del sizes[s.block_size]
+                if not sizes:
+                    del self.sizes[s.model]
+
+    def forget_pod(self, pod: str) -> None:
+        for key in [k for k in self.streams if k[0] == pod]:
+            self.forget_stream(key)
+
+    def indexed_blocks(self) -> int:
+        return sum(len(sl.held) for s in self.streams.values() for sl in s.slots.values())
+
+    # --- scoring --------------------------------------------------------------------------
+
+    def stream_mask(self, keys: Iterable[StreamKey]) -> tuple[int, int]:
+        """(slot bits, stream bits) of the given streams: a query's ``pods`` filter."""
+        slots = streams = 0
+        for key in keys:
+            s = self.streams.get(key)
+            if s is None:
+                continue
+            streams |= 1 << s.bit
+            for slot in s.slots.values():
+                slots |= 1 << slot.bit
+        return slots, streams
+
+    def score(
+        self,
+        model: str,
+        lora: str | int | None,
+        tokens: bytes,
+        extras_for: object = None,
+        only: tuple[int, int] | None = None,
+    ) -> dict[StreamKey, Score]:
+        """Per stream with a leading block of the prompt (packed ``tokens``): its leading
+        blocks per tier and in any tier. ``extras_for(n_blocks, block_size)``: the blocks'
+        extra parts (None: none); ``only``: a :meth:`stream_mask` to limit the answer to."""
+        out: dict[StreamKey, Score] = {}
+        sizes = self.sizes.get(model)
+        if not sizes:
+            return out
+        n_tokens = len(tokens) // 4
+        slot_holders, stream_holders = self.slot_holders, self.stream_holders
+        for bs in sorted(sizes):
+            nb = n_tokens // bs
+            if not nb:
+                continue
+            extras = extras_for(nb, bs) if extras_for is not None else None  # type: ignore[operator]
+            w = 4 * bs
+            k = self.root(model, lora, bs)
+            alive = salive = -1 if only is None else 0
+            slot_run: dict[int, int] = {}
+            stream_run: dict[int, int] = {}
+            i = 0
+            for i in range(nb):
+                data = k + tokens[i * w : i * w + w]
+                if extras is not None:
+                    data += extras[i]
+                k = blake2b(data, digest_size=KEY_BYTES).digest()
+                m = slot_holders.get(k, 0)
+                if m < 0:
+                    m = 1 << ~m
+                sm = stream_holders.get(k, 0)
+                if sm < 0:
+                    sm = 1 << ~sm
+                if i == 0:
+                    if only is not None:
+                        m &= only[0]
+                        sm &= only[1]
+                    alive, salive = m, sm
+                else:
+                    new = alive & m
+                    if new != alive:
+                        for b in _bits(alive ^ new):
+                            slot_run[b] = i
+                        alive = new
+                    new = salive & sm
+                    if new != salive:
+                        for b in _bits(salive ^ new):
+                            stream_run[b] = i
+                        salive = new
+                if not salive:  # a slot's bit implies its stream's: nothing left to extend
+                    break
+            else:
+                i = nb
+            for b in _bits(alive):
+                slot_run[b] = i
+            for b in _bits(salive):
+                stream_run[b] = i
+            for b, n in stream_run.items():
+                s = self._stream_bits[b]
+                if s is not None and n:
+                    out[s.key] = Score(bs, {}, n)
+            for b, n in slot_run.items():
+                slot = self._slot_bits[b]
+                if slot is None or not n:
+                    continue
+                sc = out.get(slot.owner)
+                if sc is not None:
+                    sc.tiers[slot.tier] = n
+        return out

@@ -1,0 +1,227 @@
+"""Scoring prompts by token ids: content keys, the index kept by CacheState, the query."""
+
+from __future__ import annotations
+
+import pytest
+
+from bridge.contentkeys import pack_tokens, query_extras, stored_extra
+from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored
+from bridge.markers import EventsLost, PodRemoved, PublisherRestarted
+from bridge.records import Envelope, Record
+from bridge.score import ScoreError, parse_body
+from bridge.state import CacheState
+
+BS = 4
+PROMPT = list(range(100, 124))  # 6 blocks of 4
+
+
+def rec(event, pod="p", rank=0, seq=0, index=0, epoch=1, model="m"):
+    return Record(Envelope(pod, model, rank, epoch, seq, index, 0.0), event)
+
+
+def h(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
+class Feed:
+    """Records for one stream, numbered in order."""
+
+    def __init__(self, state: CacheState, pod: str = "p", model: str = "m", rank: int = 0):
+        self.state, self.pod, self.model, self.rank, self.seq = state, pod, model, rank, 0
+
+    def __call__(self, event) -> None:
+        self.seq += 1
+        self.state.apply(rec(event, self.pod, self.rank, self.seq, 0, model=self.model))
+
+
+def stored(hashes, parent, tokens, bs=BS, **kw):
+    return BlockStored(
+        [h(x) for x in hashes], None if parent is None else h(parent), tokens, bs, **kw
+    )
+
+
+def tokens_of(result, pod="p", rank=0):
+    for row in result:
+        if (row["pod"], row["dp_rank"]) == (pod, rank):
+            return row["any_tier_tokens"], row["tokens"]
+    return 0, {}
+
+
+def test_runs_chain_across_stores_and_stop_at_the_first_missing_block():
+    state = CacheState()
+    feed = Feed(state)
+    feed(stored([1, 2], None, PROMPT[:8], medium="GPU"))
+    feed(stored([3], 2, PROMPT[8:12], medium="GPU"))
+    assert tokens_of(state.score("m", PROMPT)) == (12, {"GPU": 12})
+    feed(BlockRemoved([h(2)], medium="GPU"))
+    assert tokens_of(state.score("m", PROMPT)) == (4, {"GPU": 4})
+    # Another prompt sharing the first block only
+    other = PROMPT[:4] + [7, 7, 7, 7]
+    assert tokens_of(state.score("m", other)) == (4, {"GPU": 4})
+    assert state.score("other-model", PROMPT) == []
+
+
+def test_keys_do_not_depend_on_engine_hashes():
+    """Two pods hash the same prompt differently (other NONE_HASH, other algorithm)."""
+    state = CacheState()
+    Feed(state, "a")(stored([1, 2, 3], None, PROMPT[:12], medium="GPU"))
+    Feed(state, "b")(stored([91, 92], None, PROMPT[:8], medium="GPU"))
+    rows = state.score("m", PROMPT)
+    assert [(r["pod"], r["any_tier_tokens"]) for r in rows] == [("a", 12), ("b", 8)]
+
+
+def test_lora_extra_keys_and_block_size_separate_caches():
+    state = CacheState()
+    Feed(state, "lora")(
+        stored([1, 2], None, PROMPT[:8], lora_name="ad", extra_keys=[["ad"], ["ad"]])
+    )
+    Feed(state, "salted")(stored([1, 2], None, PROMPT[:8], extra_keys=[["salt1"], None]))
+    Feed(state, "bs8")(stored([1], None, PROMPT[:8], bs=8))
+    assert tokens_of(state.score("m", PROMPT), "lora") == (0, {})
+    assert tokens_of(state.score("m", PROMPT, lora_name="ad"), "lora")[0] == 8
+    assert tokens_of(state.score("m", PROMPT, lora_name="other"), "lora")[0] == 0
+    assert tokens_of(state.score("m", PROMPT), "salted")[0] == 0
+    assert tokens_of(state.score("m", PROMPT, cache_salt="salt1"), "salted")[0] == 8
+    assert tokens_of(state.score("m", PROMPT, cache_salt="salt2"), "salted")[0] == 0
+    rows = {r["pod"]: r for r in state.score("m", PROMPT)}
+    assert rows["bs8"]["block_size"] == 8 and rows["bs8"]["any_tier_tokens"] == 8
+
+
+def test_media_keys_match_vllms_extra_keys():
+    """An image at tokens 6..13 (length 8) of blocks of 4: blocks 1, 2, 3 list it, at offsets
+    2, -2, -6 from their starts (vLLM's (identifier, offset - start))."""
+    ev_keys = [None, [["img", 2]], [["img", -2]], [["img", -6]]]
+    assert query_extras(4, BS, [("img", 6, 8)]) == [stored_extra(e, None) for e in ev_keys]
+    state = CacheState()
+    Feed(state)(stored([1, 2, 3, 4], None, PROMPT[:16], extra_keys=ev_keys))
+    media = [{"identifier": "img", "offset": 6, "length": 8}]
+    assert tokens_of(state.score("m", PROMPT, media=media))[0] == 16
+    assert tokens_of(state.score("m", PROMPT))[0] == 4  # without the image: block 0 only
+    other = [{"identifier": "img2", "offset": 6, "length": 8}]
+    assert tokens_of(state.score("m", PROMPT, media=other))[0] == 4
+
+
+def test_placeholders_take_the_keys_of_the_streams_other_tiers():
+    state = CacheState()
+    feed = Feed(state)
+    feed(stored([1, 2, 3], None, PROMPT[:12], medium="GPU"))
+    # Offloaded after the GPU evicted block 1: its key is remembered
+    feed(BlockRemoved([h(1)], medium="GPU"))
+    feed(BlockStored([h(1), h(2), h(3)], None, [], 0, medium="CPU"))
+    feed(BlockStored([h(77)], None, [], 0, medium="CPU"))  # never keyed: skipped
+    any_tokens, tiers = tokens_of(state.score("m", PROMPT))
+    assert tiers == {"CPU": 12, "GPU": 0} or tiers == {"CPU": 12}
+    assert any_tokens == 12
+    assert state.content.skipped["unknown_hash"] == 1
+
+
+def test_any_tier_spans_tiers():
+    state = CacheState()
+    feed = Feed(state)
+    feed(stored([1, 2, 3, 4], None, PROMPT[:16], medium="GPU"))
+    feed(BlockStored([h(3), h(4)], None, [], 0, medium="CPU"))
+    feed(BlockRemoved([h(3)], medium="GPU"))
+    feed(BlockRemoved([h(4)], medium="GPU"))
+    any_tokens, tiers = tokens_of(state.score("m", PROMPT))
+    assert (any_tokens, tiers) == (16, {"GPU": 8})  # CPU holds 2, 3 but not the first
+
+
+def test_misaligned_and_bad_blocks_are_counted_and_do_not_break_others():
+    state = CacheState()
+    feed = Feed(state)
+    feed(stored([1, 2], None, PROMPT[:12]))  # Mamba align: tokens span a skipped block
+    feed(stored([3], 2, PROMPT[12:16]))  # child of an unkeyed block
+    feed(stored([4], None, [1, -5, 2, 3]))  # token ids out of domain
+    assert state.content.skipped == {"misaligned": 2, "unchained": 1, "token_domain": 1}
+    assert state.score("m", PROMPT) == []
+    assert state.resident_blocks() == 4  # residency by engine hash is unaffected
+    feed(stored([5, 6], None, PROMPT[:8]))
+    assert tokens_of(state.score("m", PROMPT))[0] == 8
+
+
+def test_copies_clears_restarts_and_pod_removal():
+    state = CacheState()
+    feed = Feed(state)
+    feed(stored([1, 2], None, PROMPT[:8]))
+    feed(stored([1, 2], None, PROMPT[:8]))  # a second copy (count policy)
+    feed(BlockRemoved([h(2)]))
+    assert tokens_of(state.score("m", PROMPT))[0] == 8
+    feed(BlockRemoved([h(2)]))
+    assert tokens_of(state.score("m", PROMPT))[0] == 4
+    feed(AllBlocksCleared())
+    assert state.score("m", PROMPT) == []
+    feed(stored([1, 2], None, PROMPT[:8]))
+    state.apply(
+        rec(PublisherRestarted(old_epoch=1, last_seq=3, first_seq=0), seq=0, index=-1, epoch=2)
+    )
+    assert state.score("m", PROMPT) == []
+    Feed(state, "q")(stored([1], None, PROMPT[:4]))
+    state.apply(rec(PodRemoved(reason="gone"), pod="q", index=-1))
+    assert state.score("m", PROMPT) == [] and not state.content.slot_holders
+
+
+def test_uncertain_streams_are_listed_and_pods_filter():
+    state = CacheState()
+    Feed(state, "a")(stored([1], None, PROMPT[:4]))
+    Feed(state, "b")(stored([1], None, PROMPT[:4]))
+    Feed(state, "c")(stored([9], None, [1, 1, 1, 1]))
+    state.apply(rec(EventsLost(from_seq=5, to_seq=6, reason="gap"), pod="c", index=-1))
+    rows = state.score("m", PROMPT)
+    assert [(r["pod"], r["any_tier_tokens"], r["uncertain"]) for r in rows] == [
+        ("a", 4, False),
+        ("b", 4, False),
+        ("c", 0, True),
+    ]
+    rows = state.score("m", PROMPT, pods=["b", "c"])
+    assert [(r["pod"], r["any_tier_tokens"]) for r in rows] == [("b", 4), ("c", 0)]
+    with pytest.raises(ScoreError, match="unknown pod"):
+        state.score("m", PROMPT, pods=["zz"])
+
+
+def test_many_streams_sharing_a_prefix():
+    state = CacheState()
+    for i in range(300):
+        n = 1 + i % 6
+        Feed(state, f"p{i}")(stored(list(range(1, n + 1)), None, PROMPT[: n * BS]))
+    rows = state.score("m", PROMPT)
+    assert len(rows) == 300
+    assert all(r["any_tier_tokens"] == (1 + int(r["pod"][1:]) % 6) * BS for r in rows)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ([], "JSON object"),
+        ({"token_ids": [1]}, '"model" is required'),
+        ({"model": "m"}, '"token_ids" is required'),
+        ({"model": "m", "token_ids": []}, "empty"),
+        ({"model": "m", "token_ids": [1, "2"]}, r'"token_ids"\[1\]'),
+        ({"model": "m", "token_ids": [1, 2**32]}, "0..4294967295"),
+        ({"model": "m", "token_ids": [True]}, r'"token_ids"\[0\]'),
+        ({"model": "m", "token_ids": [1], "lora_name": 3}, "lora_name"),
+        ({"model": "m", "token_ids": [1], "pods": "a"}, "pods"),
+        ({"model": "m", "token_ids": [1], "media": [{"identifier": "x"}]}, "offset"),
+        (
+            {
+                "model": "m",
+                "token_ids": [1],
+                "media": [{"identifier": "x", "offset": 0, "length": 5}],
+            },
+            "ends past the prompt",
+        ),  # fmt: skip
+        ({"model": "m", "token_ids": [1], "hashes": [1]}, "unknown field"),
+    ],
+)
+def test_bad_requests(body, message):
+    with pytest.raises(ScoreError, match=message):
+        parse_body(body)
+
+
+def test_too_long_prompt():
+    with pytest.raises(ScoreError, match="at most"):
+        parse_body({"model": "m", "token_ids": [0] * 1_000_001})
+
+
+def test_pack_tokens_domain():
+    assert pack_tokens([0, 2**32 - 1]) == b"\0\0\0\0\xff\xff\xff\xff"
+    assert pack_tokens([-1]) is None and pack_tokens([2**32]) is None
