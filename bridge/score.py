@@ -139,6 +139,13 @@ def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
 
     lora = lora_of(req.lora_name, req.lora_id)
     found = state.content.score(req.model, lora, req.token_ids, extras, only)
+    if req.lora_name is not None and req.lora_id is not None:
+        # Releases before 0.14 name the adapter by id only: a fleet can hold both kinds.
+        for key, sc in state.content.score(
+            req.model, req.lora_id, req.token_ids, extras, only
+        ).items():
+            if key not in found or found[key].any_tier < sc.any_tier:
+                found[key] = sc
     rows = []
     for key, sc in found.items():
         rows.append(_row(state, key, sc.block_size, sc.tiers, sc.any_tier))

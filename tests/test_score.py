@@ -225,3 +225,71 @@ def test_too_long_prompt():
 def test_pack_tokens_domain():
     assert pack_tokens([0, 2**32 - 1]) == b"\0\0\0\0\xff\xff\xff\xff"
     assert pack_tokens([-1]) is None and pack_tokens([2**32]) is None
+
+
+# --- against the simulator's truth (pure: the model's events applied directly) ------------
+
+
+def _wire_tiers(tiers: dict, bs: int) -> dict[str, int]:
+    from bridge.score import tier_name
+
+    return {tier_name(t): n * bs for t, n in tiers.items()}
+
+
+def check_against_model(model, prompts, state: CacheState, pod: str = "p") -> int:
+    """Every prompt: the state's score of the pod equals the model's resident prefix."""
+    bs = model.config.block_size
+    checked = 0
+    for pr in prompts:
+        truth_tiers, truth_any = model.resident_prefix(pr)
+        media = [{"identifier": i, "offset": o, "length": n} for i, o, n in pr.media]
+        rows = state.score(
+            "m",
+            list(pr.tokens),
+            lora_name=pr.lora[0] if pr.lora else None,
+            lora_id=pr.lora[1] if pr.lora else None,  # releases before 0.14 send only the id
+            media=media or None,
+            cache_salt=pr.salt,
+            pods=[pod],
+        )
+        row = rows[0]
+        got = {t: n for t, n in row["tokens"].items() if n}
+        assert (row["any_tier_tokens"], got) == (truth_any * bs, _wire_tiers(truth_tiers, bs)), pr
+        checked += truth_any > 0
+    return checked
+
+
+RICH = dict(
+    capacity=96, lora_names=("ad-a", "ad-b"), lora_prob=0.4, mm_prob=0.5, salt_prob=0.3,
+    cpu_offload_prob=0.5, cpu_capacity=64, repeat_prob=0.2, followup_prob=0.5,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "release, hash_mode, config",
+    [
+        ("0.33.0", "int", RICH),
+        ("0.33.0", "bytes", RICH),
+        ("0.33.0", "int", dict(RICH, offload_chunk_blocks=3)),
+        ("0.17.0", "bytes", dict(RICH, cpu_offload_prob=0.0)),
+        # Before extra_keys (0.17) images and salts are not on the wire: LoRA only
+        ("0.13.0", "int", dict(capacity=64, lora_names=("ad",), lora_prob=0.5)),
+        ("0.9.0", "signed", dict(capacity=64, lora_names=("ad",), lora_prob=0.5)),
+    ],
+)
+def test_scores_equal_the_simulators_truth(release, hash_mode, config):
+    from bridge.simulator.model import ModelConfig, PrefixCacheModel
+    from bridge.simulator.pod import normalized
+    from bridge.vllm.releases import as_release
+
+    model = PrefixCacheModel(as_release(release), hash_mode, 7, ModelConfig(**config))
+    state = CacheState()
+    feed = Feed(state)
+    checked = 0
+    for step in range(600):
+        for ev in model.step():
+            feed(normalized(ev, hash_mode))
+        if step % 50 == 49:
+            checked += check_against_model(model, model.served_prompts(), state)
+    assert checked > 50  # prompts with something resident were compared
+    assert not state.content.skipped
