@@ -13,10 +13,12 @@ Here, per stream:
 * a block that cannot be keyed is left out and counted in :attr:`ContentIndex.skipped` by
   reason; it never gets a wrong key, and a child of it is unkeyable too (its parent unknown).
 
-Globally, each content key maps to the slots holding it and to the streams holding it in any
-tier, as bit masks (one bit per slot, one per stream; a single holder as ``~bit``). Scoring
-walks the prompt's blocks once per block size in the model's fleet, computing keys as it
-goes and AND-ing masks: O(prompt blocks + matching slots), whatever the number of pods.
+Globally, each content key maps to the slots holding it, as a bit mask (one bit per slot; a
+single holder as ``~bit``). Scoring walks the prompt's blocks once per block size in the
+model's fleet, computing keys as it goes and AND-ing masks; the streams holding a block in
+any tier are the owners of its slots (mask -> stream mask, memoized: along a prompt the
+holders change a few times only). O(prompt blocks + matching slots), whatever the number
+of pods.
 """
 
 from __future__ import annotations
@@ -100,7 +102,6 @@ class _Stream:
     model: str
     block_size: int = 0  # of its last keyed store; 0 until one
     slots: dict[Tier, _Slot] = field(default_factory=dict)
-    extra: dict[bytes, int] = field(default_factory=dict)  # content key -> slot entries, if > 1
     recent: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)
 
     def lookup(self, h: bytes) -> bytes | None:
@@ -123,7 +124,8 @@ class Score:
 class ContentIndex:
     def __init__(self) -> None:
         self.slot_holders: dict[bytes, int] = {}
-        self.stream_holders: dict[bytes, int] = {}
+        self._owner_bit: list[int] = []  # slot bit -> its stream's bit
+        self._streams_of: dict[int, int] = {}  # memo: slot mask -> stream mask
         self.streams: dict[StreamKey, _Stream] = {}
         self._slot_bits: list[_Slot | None] = []
         self._stream_bits: list[_Stream | None] = []
@@ -164,8 +166,11 @@ class ContentIndex:
             slot = s.slots[tier] = _Slot(bit, tier, s.key)
             if bit == len(self._slot_bits):
                 self._slot_bits.append(slot)
+                self._owner_bit.append(s.bit)
             else:
                 self._slot_bits[bit] = slot
+                self._owner_bit[bit] = s.bit
+                self._streams_of.clear()
         return slot
 
     def _set_size(self, s: _Stream, block_size: int) -> None:
@@ -183,8 +188,6 @@ class ContentIndex:
         slot.held[h] = k
         if _set_bit(self.slot_holders, k, slot.bit):
             slot.extra[k] = slot.extra.get(k, 1) + 1
-        if _set_bit(self.stream_holders, k, s.bit):
-            s.extra[k] = s.extra.get(k, 1) + 1
 
     def _drop(self, s: _Stream, slot: _Slot, h: bytes) -> None:
         k = slot.held.pop(h, None)
@@ -198,17 +201,9 @@ class ContentIndex:
                 del slot.extra[k]
         else:
             _clear_bit(self.slot_holders, k, slot.bit)
-        n = s.extra.get(k)
-        if n:
-            if n > 2:
-                s.extra[k] = n - 1
-            else:
-                del s.extra[k]
-        else:
-            _clear_bit(self.stream_holders, k, s.bit)
-            s.recent[h] = k
-            if len(s.recent) > RECENT_KEYS:
-                s.recent.popitem(last=False)
+        s.recent[h] = k
+        if len(s.recent) > RECENT_KEYS:
+            s.recent.popitem(last=False)
 
     # --- what CacheState reports ------------------------------------------------------------
 
@@ -321,6 +316,7 @@ class ContentIndex:
                 self._drop(s, slot, h)
             self._slot_bits[slot.bit] = None
             self._free_slot_bits.append(slot.bit)
+        self._streams_of.clear()
         self._stream_bits[s.bit] = None
         self._free_stream_bits.append(s.bit)
         if s.block_size:
@@ -340,6 +336,19 @@ class ContentIndex:
         return sum(len(sl.held) for s in self.streams.values() for sl in s.slots.values())
 
     # --- scoring --------------------------------------------------------------------------
+
+    def streams_of(self, slots: int) -> int:
+        """The stream bits owning the slot bits of ``slots`` (memoized)."""
+        r = self._streams_of.get(slots)
+        if r is None:
+            r = 0
+            owner = self._owner_bit
+            for b in _bits(slots):
+                r |= 1 << owner[b]
+            if len(self._streams_of) >= 4096:
+                self._streams_of.clear()
+            self._streams_of[slots] = r
+        return r
 
     def stream_mask(self, keys: Iterable[StreamKey]) -> tuple[int, int]:
         """(slot bits, stream bits) of the given streams: a query's ``pods`` filter."""
@@ -369,7 +378,8 @@ class ContentIndex:
         if not sizes:
             return out
         n_tokens = len(tokens) // 4
-        slot_holders, stream_holders = self.slot_holders, self.stream_holders
+        holders_get = self.slot_holders.get
+        streams_of = self.streams_of
         for bs in sorted(sizes):
             nb = n_tokens // bs
             if not nb:
@@ -377,7 +387,8 @@ class ContentIndex:
             extras = extras_for(nb, bs) if extras_for is not None else None  # type: ignore[operator]
             w = 4 * bs
             k = self.root(model, lora, bs)
-            alive = salive = -1 if only is None else 0
+            alive = salive = 0
+            last = None  # the previous block's slot mask
             slot_run: dict[int, int] = {}
             stream_run: dict[int, int] = {}
             i = 0
@@ -386,24 +397,24 @@ class ContentIndex:
                 if extras is not None:
                     data += extras[i]
                 k = blake2b(data, digest_size=KEY_BYTES).digest()
-                m = slot_holders.get(k, 0)
+                m = holders_get(k, 0)
+                if m == last:  # the same holders as the block before: nobody dropped out
+                    continue
+                last = m
                 if m < 0:
                     m = 1 << ~m
-                sm = stream_holders.get(k, 0)
-                if sm < 0:
-                    sm = 1 << ~sm
                 if i == 0:
+                    alive, salive = m, streams_of(m)
                     if only is not None:
-                        m &= only[0]
-                        sm &= only[1]
-                    alive, salive = m, sm
+                        alive &= only[0]
+                        salive &= only[1]
                 else:
                     new = alive & m
                     if new != alive:
                         for b in _bits(alive ^ new):
                             slot_run[b] = i
                         alive = new
-                    new = salive & sm
+                    new = salive & streams_of(m)
                     if new != salive:
                         for b in _bits(salive ^ new):
                             stream_run[b] = i

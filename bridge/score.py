@@ -58,7 +58,7 @@ def make_request(
         raise ScoreError('"token_ids" is empty: give the prompt\'s token ids')
     if len(token_ids) > MAX_PROMPT_TOKENS:
         raise ScoreError(f'"token_ids": {len(token_ids)} tokens, at most {MAX_PROMPT_TOKENS}')
-    packed = pack_tokens(token_ids) if all(map(_int, token_ids)) else None
+    packed = pack_tokens(token_ids)  # C speed; the loop below only says what is wrong
     if packed is None:
         for i, t in enumerate(token_ids):
             if not _int(t) or not 0 <= t <= MAX_TOKEN_ID:
@@ -101,13 +101,20 @@ def make_request(
     )
 
 
-def parse_body(doc: Any) -> ScoreRequest:
-    """A decoded JSON body -> :class:`ScoreRequest`."""
+def parse_body(doc: Any, raw: bytes | None = None) -> ScoreRequest:
+    """A decoded JSON body -> :class:`ScoreRequest`. JSON ``true``/``false`` among the token
+    ids are refused (Python takes them for ints); with the ``raw`` body that check is only
+    made when the body holds such a literal."""
     if not isinstance(doc, dict):
         raise ScoreError('body must be a JSON object: {"model": ..., "token_ids": [...]}')
     unknown = set(doc) - set(FIELDS)
     if unknown:
         raise ScoreError(f"unknown field(s) {sorted(unknown)}; accepted: {', '.join(FIELDS)}")
+    tokens = doc.get("token_ids")
+    if isinstance(tokens, list) and (raw is None or b"true" in raw or b"false" in raw):
+        for i, t in enumerate(tokens):
+            if type(t) is bool:
+                raise ScoreError(f'"token_ids"[{i}] = {t!r}: token ids are ints')
     return make_request(**{k: doc.get(k) for k in FIELDS})
 
 
@@ -124,6 +131,9 @@ def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
     uncertain}``, most leading tokens first. Streams of ``req.pods`` are listed even at 0;
     otherwise a stream with nothing of the prompt is listed only if it is uncertain.
     :class:`ScoreError` for a pod in ``req.pods`` that the state does not know."""
+    content = state.content
+    if content is None:
+        raise ScoreError("this state keeps no content index (CacheState(content=False))")
     only = None
     if req.pods is not None:
         wanted = set(req.pods)
@@ -131,49 +141,68 @@ def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
         missing = wanted - {k[0] for k in keys}
         if missing:
             raise ScoreError(f"unknown pod(s) {sorted(missing)}: GET /pods lists the pods")
-        only = state.content.stream_mask(keys)
+        only = content.stream_mask(keys)
     media, salt = req.media, req.cache_salt
 
     def extras(n_blocks: int, block_size: int) -> list[bytes] | None:
         return query_extras(n_blocks, block_size, media, salt)
 
     lora = lora_of(req.lora_name, req.lora_id)
-    found = state.content.score(req.model, lora, req.token_ids, extras, only)
+    found = content.score(req.model, lora, req.token_ids, extras, only)
     if req.lora_name is not None and req.lora_id is not None:
         # Releases before 0.14 name the adapter by id only: a fleet can hold both kinds.
-        for key, sc in state.content.score(
-            req.model, req.lora_id, req.token_ids, extras, only
-        ).items():
+        for key, sc in content.score(req.model, req.lora_id, req.token_ids, extras, only).items():
             if key not in found or found[key].any_tier < sc.any_tier:
                 found[key] = sc
-    rows = []
-    for key, sc in found.items():
-        rows.append(_row(state, key, sc.block_size, sc.tiers, sc.any_tier))
-    listed = set(found)
-    for key, st in state.streams.items():
-        if key in listed:
+    streams, models = state.streams, state.models
+    rows = [
+        _row(key, models.get(key[0]), streams.get(key), sc.block_size, sc.tiers, sc.any_tier)
+        for key, sc in found.items()
+    ]
+    for key, st in streams.items():
+        if key in found:
             continue
         if req.pods is not None:
             if key[0] not in req.pods:
                 continue
-        elif not st.uncertain or state.models.get(key[0]) != req.model:
+        elif not st.uncertain or models.get(key[0]) != req.model:
             continue
-        cs = state.content.streams.get(key)
-        rows.append(_row(state, key, cs.block_size if cs else 0, {}, 0))
-    rows.sort(key=lambda r: (-r["any_tier_tokens"], r["uncertain"], r["pod"], r["dp_rank"]))
+        cs = content.streams.get(key)
+        rows.append(_row(key, models.get(key[0]), st, cs.block_size if cs else 0, {}, 0))
+    rows.sort(key=_rank)
     return rows
 
 
+def _rank(r: dict[str, Any]) -> tuple[int, bool, str, int]:
+    return (-r["any_tier_tokens"], r["uncertain"], r["pod"], r["dp_rank"])
+
+
+_TIER_NAMES: dict[tuple[str | None, int | None], str] = {}
+
+
 def _row(
-    state: CacheState, key: tuple[str, int], bs: int, tiers: dict[Any, int], any_blocks: int
+    key: tuple[str, int],
+    model: str | None,
+    st: Any,
+    bs: int,
+    tiers: dict[Any, int],
+    any_blocks: int,
 ) -> dict[str, Any]:
-    st = state.streams.get(key)
+    names = _TIER_NAMES
+    if len(tiers) > 1:
+        tiers = dict(sorted(tiers.items(), key=_order))
+    by_tier = {}
+    for t, n in tiers.items():
+        name = names.get(t)
+        if name is None:
+            name = names[t] = tier_name(t)
+        by_tier[name] = n * bs
     return {
         "pod": key[0],
         "dp_rank": key[1],
-        "model": state.models.get(key[0]),
+        "model": model,
         "block_size": bs,
-        "tokens": {tier_name(t): n * bs for t, n in sorted(tiers.items(), key=_order)},
+        "tokens": by_tier,
         "any_tier_tokens": any_blocks * bs,
         "uncertain": bool(st.uncertain) if st is not None else False,
     }

@@ -203,9 +203,10 @@ class CacheState:
     """Every stream's state; feed it records in topic order with :meth:`apply`.
 
     ``policy``: how a BlockStored of a resident hash counts, one of :data:`POLICIES`
-    (module doc)."""
+    (module doc). ``content``: keep the content index that :meth:`score` answers from
+    (False: residency by engine hash only, a little faster to apply)."""
 
-    def __init__(self, policy: str = DEFAULT_POLICY) -> None:
+    def __init__(self, policy: str = DEFAULT_POLICY, content: bool = True) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown state policy {policy!r}; one of {', '.join(POLICIES)}")
         self.policy = policy
@@ -216,7 +217,7 @@ class CacheState:
         self.stale = 0
         self.markers: Counter[str] = Counter()
         # Resident blocks by content key, for scoring prompts by token ids (bridge.contentindex)
-        self.content = ContentIndex()
+        self.content: ContentIndex | None = ContentIndex() if content else None
 
     def apply(self, rec: Record) -> None:
         env, ev = rec.envelope, rec.event
@@ -241,14 +242,17 @@ class CacheState:
             if type(ev) is BlockStored:
                 tier_key = (ev.medium, ev.group_idx)
                 st.store(tier_key, ev.block_hashes, ev.parent_block_hash, self.policy)
-                self.content.stored(key, env.model, st.tiers[tier_key], tier_key, ev)
+                if self.content is not None:
+                    self.content.stored(key, env.model, st.tiers[tier_key], tier_key, ev)
             elif type(ev) is BlockRemoved:
                 tier_key = (ev.medium, ev.group_idx)
                 st.remove(tier_key, ev.block_hashes, self.policy, copy_counts(ev))
-                self.content.removed(key, st.tiers.get(tier_key), tier_key, ev.block_hashes)
+                if self.content is not None:
+                    self.content.removed(key, st.tiers.get(tier_key), tier_key, ev.block_hashes)
             elif type(ev) is AllBlocksCleared:
                 st.clear()
-                self.content.cleared(key)
+                if self.content is not None:
+                    self.content.cleared(key)
                 st.cleared_at = env.seq
                 if st.lost_to < env.seq:
                     st.uncertain = False
@@ -261,7 +265,8 @@ class CacheState:
         self.markers[type(ev).__name__] += 1
         if isinstance(ev, StreamStarted | PublisherRestarted):
             st.reset()
-            self.content.forget_stream(key)
+            if self.content is not None:
+                self.content.forget_stream(key)
             st.epoch = env.epoch
             # Following from a later seq than 0 (first contact "live"): what the earlier
             # batches stored is unknown.
@@ -279,7 +284,8 @@ class CacheState:
         elif isinstance(ev, PodRemoved):
             for k in [k for k in self.streams if k[0] == env.pod]:
                 del self.streams[k]
-            self.content.forget_pod(env.pod)
+            if self.content is not None:
+                self.content.forget_pod(env.pod)
 
     def resident(self, pod: str, dp_rank: int) -> dict[Tier, set[bytes]]:
         """The resident hashes of one stream per tier (empty tiers left out)."""

@@ -173,7 +173,7 @@ def parse_score_body(body: bytes) -> ScoreRequest:
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"body is not JSON: {exc}") from None
     try:
-        return parse_body(doc)
+        return parse_body(doc, body)
     except ScoreError as exc:
         raise BadRequest(str(exc)) from None
 
