@@ -91,6 +91,7 @@ class _Slot:
     bit: int
     tier: Tier
     owner: StreamKey
+    name: str  # tier_name(tier)
     held: dict[bytes, bytes] = field(default_factory=dict)  # engine hash -> content key
     extra: dict[bytes, int] = field(default_factory=dict)  # content key -> holders, if > 1
 
@@ -112,13 +113,21 @@ class _Stream:
         return self.recent.get(h)
 
 
-@dataclass(slots=True)
-class Score:
-    """One stream's answer: leading blocks resident per tier, and in any tier."""
+def tier_name(tier: Tier) -> str:
+    """A tier as answers name it: the medium ("engine" without one: releases before 0.10.2,
+    whose blocks are the engine's own), and ``/<group>`` for KV-cache groups other than 0."""
+    medium, group = tier
+    name = "engine" if medium is None else medium
+    return name if not group else f"{name}/{group}"
 
-    block_size: int
-    tiers: dict[Tier, int]
-    any_tier: int
+
+def _bit_list(m: int) -> list[int]:
+    """The set bits of ``m`` (>= 0), via its binary text for dense masks."""
+    if not m & (m - 1):
+        return [m.bit_length() - 1] if m else []
+    text = bin(m)
+    top = len(text) - 3
+    return [top - i for i, c in enumerate(text[2:]) if c == "1"]
 
 
 class ContentIndex:
@@ -126,6 +135,9 @@ class ContentIndex:
         self.slot_holders: dict[bytes, int] = {}
         self._owner_bit: list[int] = []  # slot bit -> its stream's bit
         self._streams_of: dict[int, int] = {}  # memo: slot mask -> stream mask
+        # memos: stream mask -> stream keys; slot mask -> (owner key, tier name) per slot
+        self._stream_keys: dict[int, list[StreamKey]] = {}
+        self._slot_names: dict[int, list[tuple[StreamKey, str]]] = {}
         self.streams: dict[StreamKey, _Stream] = {}
         self._slot_bits: list[_Slot | None] = []
         self._stream_bits: list[_Stream | None] = []
@@ -163,14 +175,14 @@ class ContentIndex:
         slot = s.slots.get(tier)
         if slot is None:
             bit = self._free_slot_bits.pop() if self._free_slot_bits else len(self._slot_bits)
-            slot = s.slots[tier] = _Slot(bit, tier, s.key)
+            slot = s.slots[tier] = _Slot(bit, tier, s.key, tier_name(tier))
             if bit == len(self._slot_bits):
                 self._slot_bits.append(slot)
                 self._owner_bit.append(s.bit)
             else:
                 self._slot_bits[bit] = slot
                 self._owner_bit[bit] = s.bit
-                self._streams_of.clear()
+                self._forget_memos()
         return slot
 
     def _set_size(self, s: _Stream, block_size: int) -> None:
@@ -316,7 +328,7 @@ class ContentIndex:
                 self._drop(s, slot, h)
             self._slot_bits[slot.bit] = None
             self._free_slot_bits.append(slot.bit)
-        self._streams_of.clear()
+        self._forget_memos()
         self._stream_bits[s.bit] = None
         self._free_stream_bits.append(s.bit)
         if s.block_size:
@@ -337,6 +349,32 @@ class ContentIndex:
 
     # --- scoring --------------------------------------------------------------------------
 
+    def _forget_memos(self) -> None:
+        """Bits were given to other slots or streams: the memos of masks are void."""
+        self._streams_of.clear()
+        self._stream_keys.clear()
+        self._slot_names.clear()
+
+    def _keys_of(self, streams: int) -> list[StreamKey]:
+        r = self._stream_keys.get(streams)
+        if r is None:
+            bits = self._stream_bits
+            r = sorted(bits[b].key for b in _bit_list(streams))  # type: ignore[union-attr]
+            if len(self._stream_keys) >= 4096:
+                self._stream_keys.clear()
+            self._stream_keys[streams] = r
+        return r
+
+    def _names_of(self, slots: int) -> list[tuple[StreamKey, str]]:
+        r = self._slot_names.get(slots)
+        if r is None:
+            bits = self._slot_bits
+            r = [(bits[b].owner, bits[b].name) for b in _bit_list(slots)]  # type: ignore[union-attr]
+            if len(self._slot_names) >= 4096:
+                self._slot_names.clear()
+            self._slot_names[slots] = r
+        return r
+
     def streams_of(self, slots: int) -> int:
         """The stream bits owning the slot bits of ``slots`` (memoized)."""
         r = self._streams_of.get(slots)
@@ -346,7 +384,7 @@ class ContentIndex:
             for b in _bits(slots):
                 r |= 1 << owner[b]
             if len(self._streams_of) >= 4096:
-                self._streams_of.clear()
+                self._forget_memos()
             self._streams_of[slots] = r
         return r
 
@@ -369,11 +407,12 @@ class ContentIndex:
         tokens: bytes,
         extras_for: object = None,
         only: tuple[int, int] | None = None,
-    ) -> dict[StreamKey, Score]:
-        """Per stream with a leading block of the prompt (packed ``tokens``): its leading
-        blocks per tier and in any tier. ``extras_for(n_blocks, block_size)``: the blocks'
-        extra parts (None: none); ``only``: a :meth:`stream_mask` to limit the answer to."""
-        out: dict[StreamKey, Score] = {}
+    ) -> dict[StreamKey, list]:
+        """Per stream with a leading block of the prompt (packed ``tokens``):
+        ``[block_size, leading tokens in any tier, {tier name: leading tokens}]``.
+        ``extras_for(n_blocks, block_size)``: the blocks' extra parts (None: none); ``only``:
+        a :meth:`stream_mask` to limit the answer to."""
+        out: dict[StreamKey, list] = {}
         sizes = self.sizes.get(model)
         if not sizes:
             return out
@@ -389,8 +428,8 @@ class ContentIndex:
             k = self.root(model, lora, bs)
             alive = salive = 0
             last = None  # the previous block's slot mask
-            slot_run: dict[int, int] = {}
-            stream_run: dict[int, int] = {}
+            slot_drops: list[tuple[int, int]] = []  # (leading blocks, slots that had those)
+            stream_drops: list[tuple[int, int]] = []
             i = 0
             for i in range(nb):
                 data = k + tokens[i * w : i * w + w]
@@ -411,31 +450,26 @@ class ContentIndex:
                 else:
                     new = alive & m
                     if new != alive:
-                        for b in _bits(alive ^ new):
-                            slot_run[b] = i
+                        slot_drops.append((i, alive ^ new))
                         alive = new
                     new = salive & streams_of(m)
                     if new != salive:
-                        for b in _bits(salive ^ new):
-                            stream_run[b] = i
+                        stream_drops.append((i, salive ^ new))
                         salive = new
                 if not salive:  # a slot's bit implies its stream's: nothing left to extend
                     break
             else:
                 i = nb
-            for b in _bits(alive):
-                slot_run[b] = i
-            for b in _bits(salive):
-                stream_run[b] = i
-            for b, n in stream_run.items():
-                s = self._stream_bits[b]
-                if s is not None and n:
-                    out[s.key] = Score(bs, {}, n)
-            for b, n in slot_run.items():
-                slot = self._slot_bits[b]
-                if slot is None or not n:
-                    continue
-                sc = out.get(slot.owner)
-                if sc is not None:
-                    sc.tiers[slot.tier] = n
+            slot_drops.append((i, alive))
+            stream_drops.append((i, salive))
+            for n, mask in stream_drops:
+                if n and mask:
+                    t = n * bs
+                    for key in self._keys_of(mask):
+                        out[key] = [bs, t, {}]
+            for n, mask in slot_drops:
+                if n and mask:
+                    t = n * bs
+                    for key, name in self._names_of(mask):
+                        out[key][2][name] = t
         return out

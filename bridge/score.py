@@ -10,10 +10,11 @@ the stream is certain. Answered from :class:`bridge.state.CacheState`'s content 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from bridge.contentkeys import MAX_TOKEN_ID, lora_of, pack_tokens, query_extras
-from bridge.state import CacheState, medium_name
+from bridge.state import CacheState
 
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_MEDIA = 4096
@@ -118,19 +119,11 @@ def parse_body(doc: Any, raw: bytes | None = None) -> ScoreRequest:
     return make_request(**{k: doc.get(k) for k in FIELDS})
 
 
-def tier_name(tier: tuple[str | None, int | None]) -> str:
-    """A tier as the answer names it: the medium ("engine" without one), and ``/<group>``
-    for KV-cache groups other than 0."""
-    medium, group = tier
-    name = medium_name(medium)
-    return name if not group else f"{name}/{group}"
-
-
 def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
-    """Per stream: ``{pod, dp_rank, block_size, tokens: {tier: n}, any_tier_tokens,
-    uncertain}``, most leading tokens first. Streams of ``req.pods`` are listed even at 0;
-    otherwise a stream with nothing of the prompt is listed only if it is uncertain.
-    :class:`ScoreError` for a pod in ``req.pods`` that the state does not know."""
+    """Per stream of ``req.model``: ``{pod, dp_rank, block_size, tokens: {tier: n},
+    any_tier_tokens, uncertain}``, most leading tokens first. Streams of ``req.pods`` are
+    listed even at 0; otherwise a stream with nothing of the prompt is listed only if it is
+    uncertain. :class:`ScoreError` for a pod in ``req.pods`` that the state does not know."""
     content = state.content
     if content is None:
         raise ScoreError("this state keeps no content index (CacheState(content=False))")
@@ -152,13 +145,18 @@ def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
     if req.lora_name is not None and req.lora_id is not None:
         # Releases before 0.14 name the adapter by id only: a fleet can hold both kinds.
         for key, sc in content.score(req.model, req.lora_id, req.token_ids, extras, only).items():
-            if key not in found or found[key].any_tier < sc.any_tier:
+            if key not in found or found[key][1] < sc[1]:
                 found[key] = sc
+    # Rank: most leading tokens, certain before uncertain, then by (pod, rank). The index
+    # lists each group of equal length in (pod, rank) order, so a stable sort on the first
+    # two is enough -- unless two walks (block sizes, LoRA name and id) were merged.
     streams, models = state.streams, state.models
-    rows = [
-        _row(key, models.get(key[0]), streams.get(key), sc.block_size, sc.tiers, sc.any_tier)
-        for key, sc in found.items()
-    ]
+    order = []
+    for key, (bs, n_any, tiers) in found.items():
+        st = streams.get(key)
+        unc = st is not None and st.uncertain
+        order.append((-2 * n_any + unc, key, bs, n_any, unc, tiers))
+    extra = []
     for key, st in streams.items():
         if key in found:
             continue
@@ -168,45 +166,28 @@ def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
         elif not st.uncertain or models.get(key[0]) != req.model:
             continue
         cs = content.streams.get(key)
-        rows.append(_row(key, models.get(key[0]), st, cs.block_size if cs else 0, {}, 0))
-    rows.sort(key=_rank)
-    return rows
+        extra.append((st.uncertain, key, cs.block_size if cs else 0, 0, st.uncertain, {}))
+    order += sorted(extra)
+    merged = req.lora_name is not None and req.lora_id is not None
+    if merged or len(content.sizes.get(req.model, ())) > 1:
+        order.sort(key=_exact)
+    else:
+        order.sort(key=_first)
+    return [
+        {
+            "pod": key[0],
+            "dp_rank": key[1],
+            "block_size": bs,
+            "tokens": dict(sorted(tiers.items())) if len(tiers) > 1 else tiers,
+            "any_tier_tokens": n_any,
+            "uncertain": bool(unc),
+        }
+        for _, key, bs, n_any, unc, tiers in order
+    ]
 
 
-def _rank(r: dict[str, Any]) -> tuple[int, bool, str, int]:
-    return (-r["any_tier_tokens"], r["uncertain"], r["pod"], r["dp_rank"])
+_first = itemgetter(0)
 
 
-_TIER_NAMES: dict[tuple[str | None, int | None], str] = {}
-
-
-def _row(
-    key: tuple[str, int],
-    model: str | None,
-    st: Any,
-    bs: int,
-    tiers: dict[Any, int],
-    any_blocks: int,
-) -> dict[str, Any]:
-    names = _TIER_NAMES
-    if len(tiers) > 1:
-        tiers = dict(sorted(tiers.items(), key=_order))
-    by_tier = {}
-    for t, n in tiers.items():
-        name = names.get(t)
-        if name is None:
-            name = names[t] = tier_name(t)
-        by_tier[name] = n * bs
-    return {
-        "pod": key[0],
-        "dp_rank": key[1],
-        "model": model,
-        "block_size": bs,
-        "tokens": by_tier,
-        "any_tier_tokens": any_blocks * bs,
-        "uncertain": bool(st.uncertain) if st is not None else False,
-    }
-
-
-def _order(kv: tuple[Any, int]) -> tuple[str, str]:
-    return (str(kv[0][0]), str(kv[0][1]))
+def _exact(t: tuple) -> tuple:
+    return (t[0], t[1])

@@ -231,7 +231,7 @@ def test_pack_tokens_domain():
 
 
 def _wire_tiers(tiers: dict, bs: int) -> dict[str, int]:
-    from bridge.score import tier_name
+    from bridge.contentindex import tier_name
 
     return {tier_name(t): n * bs for t, n in tiers.items()}
 

@@ -21,7 +21,7 @@ from bridge_util import running_bridge, wait_topic_agrees
 from e2e_util import Proc, free_port_block, wait_for
 
 from bridge.config import PodConfig
-from bridge.score import tier_name
+from bridge.contentindex import tier_name
 from bridge.simulator.model import ModelConfig, Prompt
 from bridge.simulator.pod import PodSpec, SimulatedFleet
 
