@@ -293,3 +293,33 @@ def test_scores_equal_the_simulators_truth(release, hash_mode, config):
             checked += check_against_model(model, model.served_prompts(), state)
     assert checked > 50  # prompts with something resident were compared
     assert not state.content.skipped
+
+
+def test_simulated_events_carry_lora_and_extra_keys_as_vllm():
+    """lora_id always, lora_name from 0.14, extra_keys from 0.17: per block the LoRA name,
+    then (identifier, offset - block start) of each overlapping image, then the salt (first
+    block only)."""
+    from bridge.simulator.model import IMAGE_TOKEN, ModelConfig, PrefixCacheModel
+    from bridge.vllm.releases import as_release
+
+    cfg = ModelConfig(lora_names=("ad",), lora_prob=1.0, mm_prob=1.0, salt_prob=1.0)
+    for release, has_name, has_extra in [("0.13.0", False, False), ("0.14.0", True, False),
+                                         ("0.17.0", True, True)]:  # fmt: skip
+        model = PrefixCacheModel(as_release(release), "int", 3, cfg)
+        stored = [e for _ in range(60) for e in model.step() if isinstance(e, BlockStored)]
+        assert stored and all(e.lora_id == 1 for e in stored)
+        assert all(e.lora_name == ("ad" if has_name else None) for e in stored)
+        if not has_extra:
+            assert all(e.extra_keys is None for e in stored)
+            continue
+        seen_image = seen_salt = False
+        for e in stored:
+            assert len(e.extra_keys) == len(e.block_hashes)
+            for i, keys in enumerate(e.extra_keys):
+                assert keys[0] == "ad"
+                block = e.token_ids[i * 16 : (i + 1) * 16]
+                images = [k for k in keys[1:] if isinstance(k, tuple)]
+                assert not images or IMAGE_TOKEN in block  # an image lies in the block
+                seen_image |= bool(images)
+                seen_salt |= any(isinstance(k, str) for k in keys[1:])
+        assert seen_image and seen_salt
