@@ -102,6 +102,7 @@ class _Stream:
     bit: int
     model: str
     block_size: int = 0  # of its last keyed store; 0 until one
+    block_sizes: set[int] = field(default_factory=set)  # of all its keyed stores (groups)
     slots: dict[Tier, _Slot] = field(default_factory=dict)
     recent: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)
 
@@ -186,15 +187,10 @@ class ContentIndex:
         return slot
 
     def _set_size(self, s: _Stream, block_size: int) -> None:
-        if s.block_size == block_size:
-            return
-        sizes = self.sizes.setdefault(s.model, Counter())
-        if s.block_size:
-            sizes[s.block_size] -= 1
-            if sizes[s.block_size] <= 0:
-                del sizes[s.block_size]
-        sizes[block_size] += 1
         s.block_size = block_size
+        if block_size not in s.block_sizes:
+            s.block_sizes.add(block_size)
+            self.sizes.setdefault(s.model, Counter())[block_size] += 1
 
     def _add(self, s: _Stream, slot: _Slot, h: bytes, k: bytes) -> None:
         slot.held[h] = k
@@ -331,14 +327,14 @@ class ContentIndex:
         self._forget_memos()
         self._stream_bits[s.bit] = None
         self._free_stream_bits.append(s.bit)
-        if s.block_size:
-            sizes = self.sizes.get(s.model)
-            if sizes is not None:
-                sizes[s.block_size] -= 1
-                if sizes[s.block_size] <= 0:
-                    del sizes[s.block_size]
-                if not sizes:
-                    del self.sizes[s.model]
+        sizes = self.sizes.get(s.model)
+        if sizes is not None:
+            for bs in s.block_sizes:
+                sizes[bs] -= 1
+                if sizes[bs] <= 0:
+                    del sizes[bs]
+            if not sizes:
+                del self.sizes[s.model]
 
     def forget_pod(self, pod: str) -> None:
         for key in [k for k in self.streams if k[0] == pod]:
@@ -462,14 +458,19 @@ class ContentIndex:
                 i = nb
             slot_drops.append((i, alive))
             stream_drops.append((i, salive))
+            found = out if not out else {}  # a second block size: merged below
             for n, mask in stream_drops:
                 if n and mask:
                     t = n * bs
                     for key in self._keys_of(mask):
-                        out[key] = [bs, t, {}]
+                        found[key] = [bs, t, {}]
             for n, mask in slot_drops:
                 if n and mask:
                     t = n * bs
                     for key, name in self._names_of(mask):
-                        out[key][2][name] = t
+                        found[key][2][name] = t
+            if found is not out:  # a stream with groups of two sizes: its longer answer
+                for key, entry in found.items():
+                    if key not in out or out[key][1] < entry[1]:
+                        out[key] = entry
         return out

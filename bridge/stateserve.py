@@ -288,8 +288,8 @@ class LiveState:
                         self.lag = tail.lag()
                         if not any(self.lag.values()):
                             log.info("caught up with %s: ready", self.events_topic)
-                            # The state's millions of objects live on: keep the cyclic GC's
-                            # full collections (pauses of 10-100 ms under queries) off them.
+                            # What is loaded lives on: keep it out of the cyclic GC's
+                            # full collections, which pause queries.
                             gc.collect()
                             gc.freeze()
                             self.ready.set()

@@ -323,3 +323,18 @@ def test_simulated_events_carry_lora_and_extra_keys_as_vllm():
                 seen_image |= bool(images)
                 seen_salt |= any(isinstance(k, str) for k in keys[1:])
         assert seen_image and seen_salt
+
+
+def test_block_sizes_per_stream_and_groups_of_two_sizes():
+    state = CacheState()
+    Feed(state, "a")(stored([1, 2], None, PROMPT[:8], group_idx=0))
+    Feed(state, "b")(stored([1], None, PROMPT[:8], bs=8))
+    hybrid = Feed(state, "h")
+    hybrid(stored([1], None, PROMPT[:4], group_idx=0))  # group 0: blocks of 4
+    hybrid(stored([5, 6], None, PROMPT[:16], bs=8, group_idx=1))  # group 1: blocks of 8
+    rows = {r["pod"]: r for r in state.score("m", PROMPT)}
+    assert (rows["a"]["block_size"], rows["a"]["any_tier_tokens"]) == (4, 8)
+    assert (rows["b"]["block_size"], rows["b"]["any_tier_tokens"]) == (8, 8)
+    assert (rows["h"]["block_size"], rows["h"]["tokens"]) == (8, {"engine/1": 16})
+    state.apply(rec(PodRemoved(reason="gone"), pod="h", index=-1))
+    assert state.content.sizes == {"m": {4: 1, 8: 1}}
