@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from hashlib import blake2b
 
 from bridge.contentkeys import (
@@ -105,6 +105,9 @@ class _Stream:
     block_sizes: set[int] = field(default_factory=set)  # of all its keyed stores (groups)
     slots: dict[Tier, _Slot] = field(default_factory=dict)
     recent: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)
+    # The parts so far of a BlockStored split over records (bridge.split): keyed together
+    # with the last part, once it shows whether the whole event's tokens lined up.
+    pending: list[tuple[Tier, BlockStored]] = field(default_factory=list)
 
     def lookup(self, h: bytes) -> bytes | None:
         for slot in self.slots.values():
@@ -216,10 +219,40 @@ class ContentIndex:
     # --- what CacheState reports ------------------------------------------------------------
 
     def stored(
-        self, key: StreamKey, model: str, resident: dict[bytes, object], tier: Tier, ev: BlockStored
+        self,
+        key: StreamKey,
+        model: str,
+        tiers: dict[Tier, dict[bytes, object]],
+        tier: Tier,
+        ev: BlockStored,
+        part: int = 0,
+        parts: int = 1,
     ) -> None:
-        """``ev`` was applied to ``tier`` (whose resident hashes are ``resident``)."""
+        """``ev`` was applied to ``tier`` of the stream (``tiers``: its resident hashes per
+        tier); ``part`` of ``parts`` when the bridge split one BlockStored over records."""
         s = self._stream(key, model)
+        if parts > 1:
+            if part == 0:
+                s.pending.clear()
+            s.pending.append((tier, ev))
+            if part < parts - 1:
+                return
+            whole, s.pending = s.pending, []
+            bs = whole[0][1].block_size
+            if sum(len(e.token_ids) for _, e in whole) != bs * sum(
+                len(e.block_hashes) for _, e in whole
+            ):  # the whole event's tokens did not line up: so not its parts' either
+                for t, e in whole:
+                    self._store(s, tiers.get(t, {}), t, replace(e, token_ids=[1]))
+                return
+            for t, e in whole:
+                self._store(s, tiers.get(t, {}), t, e)
+            return
+        self._store(s, tiers[tier], tier, ev)
+
+    def _store(
+        self, s: _Stream, resident: dict[bytes, object], tier: Tier, ev: BlockStored
+    ) -> None:
         hashes = ev.block_hashes
         n = len(hashes)
         if not n:

@@ -243,7 +243,7 @@ class CacheState:
                 tier_key = (ev.medium, ev.group_idx)
                 st.store(tier_key, ev.block_hashes, ev.parent_block_hash, self.policy)
                 if self.content is not None:
-                    self.content.stored(key, env.model, st.tiers[tier_key], tier_key, ev)
+                    self.content.stored(key, env.model, st.tiers, tier_key, ev, env.part, env.parts)
             elif type(ev) is BlockRemoved:
                 tier_key = (ev.medium, ev.group_idx)
                 st.remove(tier_key, ev.block_hashes, self.policy, copy_counts(ev))

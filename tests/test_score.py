@@ -338,3 +338,23 @@ def test_block_sizes_per_stream_and_groups_of_two_sizes():
     assert (rows["h"]["block_size"], rows["h"]["tokens"]) == (8, {"engine/1": 16})
     state.apply(rec(PodRemoved(reason="gone"), pod="h", index=-1))
     assert state.content.sizes == {"m": {4: 1, 8: 1}}
+
+
+def test_split_stores_are_keyed_whole():
+    """The bridge splits an oversize BlockStored over records (bridge.split): aligned, its
+    parts chain; misaligned (tokens spanning skipped blocks), no part gets a key."""
+    from bridge.split import split_stored
+
+    def feed_parts(state, event, pod, seq):
+        parts = split_stored(event, 3)
+        for i, p in enumerate(parts):
+            env = Envelope(pod, "m", 0, 1, seq, 0, 0.0, part=i, parts=len(parts))
+            state.apply(Record(env, p))
+
+    state = CacheState()
+    feed_parts(state, stored([1, 2, 3, 4, 5, 6], None, PROMPT), "aligned", 1)
+    # Mamba align mode: one more block of tokens than hashes, skipped at the start
+    feed_parts(state, stored([1, 2, 3, 4, 5], None, PROMPT), "skipped", 1)
+    rows = {r["pod"]: r["any_tier_tokens"] for r in state.score("m", PROMPT)}
+    assert rows == {"aligned": 24}
+    assert state.content.skipped == {"misaligned": 5}
