@@ -280,8 +280,11 @@ class ContentIndex:
         if bs <= 0 or len(toks) != n * bs:
             return None
         reason = None
+        ek = ev.extra_keys
+        if ek is not None and len(ek) != n:
+            reason = "misaligned"  # extra keys not one per block: which block has which?
         look = ev.lookahead_token_ids
-        if look is not None and any(look):
+        if reason is None and look is not None and any(look):
             reason = "lookahead"  # lookahead tokens went into the hash: a query cannot tell
         parent = ev.parent_block_hash
         if parent is None:
@@ -299,8 +302,7 @@ class ContentIndex:
             self.skipped[reason] += sum(1 for k in known if k is None)
             return known
         extras = None
-        ek = ev.extra_keys
-        if ek is not None and len(ek) == n and ek.count(None) != n:
+        if ek is not None and ek.count(None) != n:
             extras = [stored_extra(e, ev.lora_name) for e in ek]
         self._set_size(s, bs)
         assert pk is not None and buf is not None

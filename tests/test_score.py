@@ -132,9 +132,10 @@ def test_misaligned_and_bad_blocks_are_counted_and_do_not_break_others():
     feed(stored([1, 2], None, PROMPT[:12]))  # Mamba align: tokens span a skipped block
     feed(stored([3], 2, PROMPT[12:16]))  # child of an unkeyed block
     feed(stored([4], None, [1, -5, 2, 3]))  # token ids out of domain
-    assert state.content.skipped == {"misaligned": 2, "unchained": 1, "token_domain": 1}
+    feed(stored([7], None, PROMPT[:4], extra_keys=[None, ["x"]]))  # not one per block
+    assert state.content.skipped == {"misaligned": 3, "unchained": 1, "token_domain": 1}
     assert state.score("m", PROMPT) == []
-    assert state.resident_blocks() == 4  # residency by engine hash is unaffected
+    assert state.resident_blocks() == 5  # residency by engine hash is unaffected
     feed(stored([5, 6], None, PROMPT[:8]))
     assert tokens_of(state.score("m", PROMPT))[0] == 8
 
