@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bridge.contentindex import ContentIndex
 from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, copy_counts, hash_text
 from bridge.markers import EventsLost, PodRemoved, PublisherRestarted, StreamStarted
 from bridge.records import Record
@@ -202,9 +203,10 @@ class CacheState:
     """Every stream's state; feed it records in topic order with :meth:`apply`.
 
     ``policy``: how a BlockStored of a resident hash counts, one of :data:`POLICIES`
-    (module doc)."""
+    (module doc). ``content``: keep the content index that :meth:`score` answers from
+    (False: residency by engine hash only, a little faster to apply)."""
 
-    def __init__(self, policy: str = DEFAULT_POLICY) -> None:
+    def __init__(self, policy: str = DEFAULT_POLICY, content: bool = True) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown state policy {policy!r}; one of {', '.join(POLICIES)}")
         self.policy = policy
@@ -214,6 +216,8 @@ class CacheState:
         self.duplicates = 0
         self.stale = 0
         self.markers: Counter[str] = Counter()
+        # Resident blocks by content key, for scoring prompts by token ids (bridge.contentindex)
+        self.content: ContentIndex | None = ContentIndex() if content else None
 
     def apply(self, rec: Record) -> None:
         env, ev = rec.envelope, rec.event
@@ -236,18 +240,19 @@ class CacheState:
                 return
             self.applied += 1
             if type(ev) is BlockStored:
-                st.store(
-                    (ev.medium, ev.group_idx), ev.block_hashes, ev.parent_block_hash, self.policy
-                )
+                tier_key = (ev.medium, ev.group_idx)
+                st.store(tier_key, ev.block_hashes, ev.parent_block_hash, self.policy)
+                if self.content is not None:
+                    self.content.stored(key, env.model, st.tiers, tier_key, ev, env.part, env.parts)
             elif type(ev) is BlockRemoved:
-                st.remove(
-                    (ev.medium, ev.group_idx),
-                    ev.block_hashes,
-                    self.policy,
-                    copy_counts(ev),
-                )
+                tier_key = (ev.medium, ev.group_idx)
+                st.remove(tier_key, ev.block_hashes, self.policy, copy_counts(ev))
+                if self.content is not None:
+                    self.content.removed(key, st.tiers.get(tier_key), tier_key, ev.block_hashes)
             elif type(ev) is AllBlocksCleared:
                 st.clear()
+                if self.content is not None:
+                    self.content.cleared(key)
                 st.cleared_at = env.seq
                 if st.lost_to < env.seq:
                     st.uncertain = False
@@ -260,6 +265,8 @@ class CacheState:
         self.markers[type(ev).__name__] += 1
         if isinstance(ev, StreamStarted | PublisherRestarted):
             st.reset()
+            if self.content is not None:
+                self.content.forget_stream(key)
             st.epoch = env.epoch
             # Following from a later seq than 0 (first contact "live"): what the earlier
             # batches stored is unknown.
@@ -277,6 +284,8 @@ class CacheState:
         elif isinstance(ev, PodRemoved):
             for k in [k for k in self.streams if k[0] == env.pod]:
                 del self.streams[k]
+            if self.content is not None:
+                self.content.forget_pod(env.pod)
 
     def resident(self, pod: str, dp_rank: int) -> dict[Tier, set[bytes]]:
         """The resident hashes of one stream per tier (empty tiers left out)."""
@@ -312,6 +321,27 @@ class CacheState:
                     n += 1
             out[key] = n
         return out
+
+    def score(
+        self,
+        model: str,
+        token_ids: list[int],
+        lora_name: str | None = None,
+        media: list[dict[str, Any]] | None = None,
+        pods: list[str] | None = None,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """For a prompt's token ids, per (pod, dp_rank) of ``model``: the leading tokens
+        resident per tier and in any tier, and whether the stream is certain -- computed from
+        the blocks' contents, independent of vLLM's hash (:mod:`bridge.score`). ``media``:
+        the prompt's multimodal inputs ``{"identifier", "offset", "length"}``; ``pods``: only
+        these pods (listed even when they hold nothing). ValueError (``ScoreError``) for a
+        request to fix."""
+        from bridge.score import make_request, score
+
+        req = make_request(model, token_ids, lora_name, lora_id, media, cache_salt, pods)
+        return score(self, req)
 
     def resident_blocks(self) -> int:
         return sum(st.blocks() for st in self.streams.values())

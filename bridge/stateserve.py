@@ -7,6 +7,9 @@ handler threads answer from it under the same lock:
 - ``GET /pods``: per (pod, rank): blocks per medium, epoch, last seq, uncertain, staleness
 - ``GET /prefix?hashes=1,2,3[&medium=GPU]``, ``POST /prefix`` ``{"hashes": [...]}``: the
   longest cached prefix per (pod, rank), ranked
+- ``POST /score`` ``{"model", "token_ids", "lora_name"?, "media"?, "cache_salt"?, "pods"?}``:
+  per (pod, rank), the prompt's leading tokens resident per tier, by content
+  (:mod:`bridge.score`; no engine hash needed)
 - ``GET /healthz`` (the consumer runs; with the count and first partition:offset of records
   skipped as undecodable), ``GET /readyz`` (caught up with the end of kv-events seen at start)
 """
@@ -14,6 +17,7 @@ handler threads answer from it under the same lock:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import signal
@@ -28,13 +32,15 @@ from urllib.parse import parse_qs, urlsplit
 from bridge.config import KafkaUnreachable, kafka_unreachable
 from bridge.consumer import Undecodable
 from bridge.events import parse_hash_text
+from bridge.score import ScoreError, ScoreRequest, parse_body
+from bridge.score import score as score_rows
 from bridge.state import DEFAULT_POLICY, CacheState
 from bridge.statesync import PartitionWatch
 from bridge.statetopic import DEFAULT_STATE_TOPIC, EventTail, load_state
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 4 * 1024 * 1024
+MAX_BODY = 16 * 1024 * 1024  # a 1M-token prompt as JSON
 MAX_HASHES = 100_000
 StreamKey = tuple[str, int]
 
@@ -162,6 +168,30 @@ def prefix_view(
     return {"query_blocks": len(keys), "medium": medium, "matches": rows}
 
 
+def parse_score_body(body: bytes) -> ScoreRequest:
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body is not JSON: {exc}") from None
+    try:
+        return parse_body(doc, body)
+    except ScoreError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def score_view(
+    state: CacheState, last_ts_ms: dict[StreamKey, int], req: ScoreRequest, now_ms: int
+) -> dict[str, Any]:
+    """The /score document: :func:`bridge.score.score`'s rows, with each stream's staleness."""
+    try:
+        rows = score_rows(state, req)
+    except ScoreError as exc:
+        raise BadRequest(str(exc)) from None
+    for r in rows:
+        r["staleness_s"] = _staleness(last_ts_ms, (r["pod"], r["dp_rank"]), now_ms)
+    return {"model": req.model, "query_tokens": req.n_tokens, "pods": rows}
+
+
 # --- the consumer thread --------------------------------------------------------------------
 
 
@@ -258,6 +288,10 @@ class LiveState:
                         self.lag = tail.lag()
                         if not any(self.lag.values()):
                             log.info("caught up with %s: ready", self.events_topic)
+                            # What is loaded lives on: keep it out of the cyclic GC's
+                            # full collections, which pause queries.
+                            gc.collect()
+                            gc.freeze()
                             self.ready.set()
             finally:
                 tail.close()
@@ -277,6 +311,13 @@ class LiveState:
         now = int(time.time() * 1000)
         with self.lock:
             doc = pods_view(self.state, self.last_ts_ms, now)
+        doc["ready"] = self.ready.is_set()
+        return doc
+
+    def score(self, req: ScoreRequest) -> dict[str, Any]:
+        now = int(time.time() * 1000)
+        with self.lock:
+            doc = score_view(self.state, self.last_ts_ms, req, now)
         doc["ready"] = self.ready.is_set()
         return doc
 
@@ -336,6 +377,8 @@ class _Handler(BaseHTTPRequestHandler):
                 if url.query:
                     raise BadRequest("/pods takes no parameters")
                 self._send(HTTPStatus.OK, live.pods())
+            elif url.path == "/score":
+                self._error(HTTPStatus.METHOD_NOT_ALLOWED, "/score answers POST only (JSON body)")
             elif url.path == "/prefix":
                 keys, medium = parse_prefix_query(url.query)
                 self._send(HTTPStatus.OK, live.prefix(keys, medium))
@@ -349,7 +392,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 (stdlib name)
         url = urlsplit(self.path)
-        if url.path != "/prefix":
+        if url.path not in ("/prefix", "/score"):
             self.close_connection = True  # the body is not read
             if url.path in ("/pods", "/healthz", "/readyz"):
                 self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"{url.path} answers GET only")
@@ -363,7 +406,7 @@ class _Handler(BaseHTTPRequestHandler):
             n = -1
         if n < 0:
             self.close_connection = True
-            self._error(HTTPStatus.LENGTH_REQUIRED, "POST /prefix needs a Content-Length")
+            self._error(HTTPStatus.LENGTH_REQUIRED, f"POST {url.path} needs a Content-Length")
             return
         if n > MAX_BODY:
             self.close_connection = True
@@ -372,17 +415,25 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(n)
         try:
             if url.query:
-                raise BadRequest("POST /prefix takes its input in the JSON body, not the URL")
-            keys, medium = parse_prefix_body(body)
+                raise BadRequest(f"POST {url.path} takes its input in the JSON body, not the URL")
+            if url.path == "/score":
+                doc = self.server.live.score(parse_score_body(body))
+            else:
+                keys, medium = parse_prefix_body(body)
+                doc = self.server.live.prefix(keys, medium)
         except BadRequest as exc:
             self._error(HTTPStatus.BAD_REQUEST, str(exc))
             return
-        self._send(HTTPStatus.OK, self.server.live.prefix(keys, medium))
+        except Exception as exc:  # a bug: say so instead of dropping the connection
+            log.exception("POST %s failed", self.path)
+            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc!r}")
+            return
+        self._send(HTTPStatus.OK, doc)
 
     def _not_found(self, path: str) -> None:
         self._error(
             HTTPStatus.NOT_FOUND,
-            f"no such path {path!r}; try /pods, /prefix?hashes=..., /healthz, /readyz",
+            f"no such path {path!r}; try /pods, /prefix?hashes=..., POST /score, /healthz, /readyz",
         )
 
 
@@ -412,7 +463,8 @@ def configure_parser(sub: Any) -> None:
         help="the live cache state: print it, or serve it over HTTP (--serve)",
         description="Follow kv-events (after loading --state-topic, if given) and keep every "
         "pod's cache state current. With --serve, answer over HTTP: GET /pods, "
-        "GET /prefix?hashes=1,2,3[&medium=GPU], POST /prefix, GET /healthz, GET /readyz. "
+        "GET /prefix?hashes=1,2,3[&medium=GPU], POST /prefix, POST /score (a prompt's token "
+        "ids), GET /healthz, GET /readyz. "
         "Without it, print the state once caught up, as JSON, and exit.",
     )
     add_kafka_args(p)

@@ -7,6 +7,7 @@
 from bridge.simulator.model import (
     ModelConfig,
     PrefixCacheModel,
+    Prompt,
     apply_events,
     chain_hash,
     residency,
@@ -25,6 +26,7 @@ __all__ = [
     "ModelConfig",
     "PodSpec",
     "PrefixCacheModel",
+    "Prompt",
     "RankEndpoints",
     "SentLog",
     "SimulatedFleet",

@@ -208,6 +208,30 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "overlap by one (a block stored and removed twice); 0 = per block (default 0)",
     )
     g.add_argument(
+        "--lora-prob",
+        type=_probability,
+        default=0.0,
+        metavar="P",
+        help="share of new conversations on a LoRA adapter (ad-a or ad-b; lora_id, and "
+        "lora_name from 0.14.0, in their BlockStored; the name in their hashes) (default 0)",
+    )
+    g.add_argument(
+        "--mm-prob",
+        type=_probability,
+        default=0.0,
+        metavar="P",
+        help="share of requests with an image in their suffix: placeholder tokens told apart "
+        "by the image's identifier in the blocks' extra keys (default 0)",
+    )
+    g.add_argument(
+        "--salt-prob",
+        type=_probability,
+        default=0.0,
+        metavar="P",
+        help="share of new conversations with a cache_salt (an extra key of the first block) "
+        "(default 0)",
+    )
+    g.add_argument(
         "--copy-counts",
         action="store_true",
         help="send remaining_copy_counts on every BlockRemoved (vllm#48933, not released; "
@@ -307,6 +331,10 @@ def build_specs(args: argparse.Namespace) -> list[PodSpec]:
         report_full_prob=args.report_full_prob,
         offload_chunk_blocks=args.offload_chunk_blocks,
         copy_counts=args.copy_counts,
+        lora_names=("ad-a", "ad-b"),
+        lora_prob=args.lora_prob,
+        mm_prob=args.mm_prob,
+        salt_prob=args.salt_prob,
     )
     dp = args.dp_size
     specs = []

@@ -31,7 +31,17 @@ What it imitates (spec §4.2, §7):
   whose events follow the block pool's in the same step, as offload placeholders
   (``token_ids=[]``, ``block_size=0``, no parent, spec §8), per block or in chunk mode
   (``offload_chunk_blocks``: overlapping chunks, a block stored and removed once per chunk);
-* optionally ``remaining_copy_counts`` on every ``BlockRemoved`` (vllm#48933, 0.24+).
+* optionally ``remaining_copy_counts`` on every ``BlockRemoved`` (vllm#48933, 0.24+);
+* optionally LoRA adapters (``lora_id``; ``lora_name`` from 0.14), multimodal inputs (an
+  image's placeholder tokens, all one token id, told apart only by the image's identifier)
+  and cache salts. As vLLM (``generate_block_hash_extra_keys``), they enter a block's hash
+  as its *extra keys*: ``lora_name``, then ``(identifier, offset - block start)`` of each
+  image overlapping the block, then the salt (first block only); from 0.17 each
+  ``BlockStored`` lists them per block in ``extra_keys``.
+
+``resident_prefix(prompt)`` answers what a router asks: how many leading blocks of a prompt
+(of those in ``served_prompts()``, or any) each tier holds, walking the prompt's block
+hashes as vLLM's ``find_longest_cache_hit`` does (stop at the first block not cached).
 
 ``copies()`` is the truth at every step: per tier, how many copies of each hash the
 engine holds. docs/vllm-cache-semantics.md names the vLLM sources this follows.
@@ -62,6 +72,7 @@ from bridge.vllm.encoder import normal_hash
 from bridge.vllm.releases import Release
 
 MAX_TOKEN_ID = 150_000
+IMAGE_TOKEN = 150_000  # every image placeholder token (as a VLM's <image> id)
 # vLLM 0.29+ seeds NONE_HASH for the sha256 algorithms with a fixed default (spec §5); the
 # simulator's chain hashing is its own, so is this digest of the seed.
 FIXED_NONE_HASH_SINCE = Release(0, 29, 0)
@@ -107,6 +118,18 @@ class ModelConfig:
     # BlockRemoved carries remaining_copy_counts (vllm#48933, an open PR; map-encoded
     # releases only, 0.24+, sent as the field a newer vLLM would add).
     copy_counts: bool = False
+    # LoRA: a new conversation uses one of these adapters with this probability (lora_id is
+    # the adapter's position + 1). Follow-ups keep their conversation's adapter, salt, images.
+    lora_names: tuple[str, ...] = ()
+    lora_prob: float = 0.0
+    # An image in a new request's suffix: placeholder tokens (IMAGE_TOKEN) of a length in
+    # media_tokens, its identifier one of n_media shared by every pod of the template_seed.
+    mm_prob: float = 0.0
+    media_tokens: tuple[int, int] = (8, 48)
+    n_media: int = 4
+    # A cache salt (one of salts) on a new conversation.
+    salt_prob: float = 0.0
+    salts: tuple[str, ...] = ("tenant-a", "tenant-b")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -124,12 +147,21 @@ class ModelConfig:
             "cpu_offload_prob",
             "repeat_prob",
             "report_full_prob",
+            "lora_prob",
+            "mm_prob",
+            "salt_prob",
         ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be within [0, 1]")
         if self.max_running < 1 or self.token_budget < 1 or self.n_templates < 1:
             raise ValueError("max_running, token_budget and n_templates must be >= 1")
-        for name in ("template_tokens", "suffix_tokens", "gen_tokens"):
+        if self.lora_prob and not self.lora_names:
+            raise ValueError("lora_prob needs lora_names")
+        if self.salt_prob and not self.salts:
+            raise ValueError("salt_prob needs salts")
+        if self.n_media < 1 or self.media_tokens[0] < 1:
+            raise ValueError("n_media and media_tokens must be >= 1")
+        for name in ("template_tokens", "suffix_tokens", "gen_tokens", "media_tokens"):
             lo, hi = getattr(self, name)
             if not 0 <= lo <= hi:
                 raise ValueError(f"{name} must be a range (lo, hi) with 0 <= lo <= hi")
@@ -140,11 +172,50 @@ class ModelConfig:
         return (self.capacity // 2) * self.block_size
 
 
-def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
-    """Digest of one full block: sha256(parent digest + token ids as 4-byte BE)."""
+def chain_hash(parent: bytes, token_ids: list[int], extra: tuple | None = None) -> bytes:
+    """Digest of one full block: sha256(parent digest + token ids as 4-byte BE [+ msgpack of
+    the block's extra keys, when it has some])."""
     h = hashlib.sha256(parent)
     h.update(b"".join(t.to_bytes(4, "big") for t in token_ids))
+    if extra:
+        h.update(msgpack.packb(list(extra), use_bin_type=True))
     return h.digest()
+
+
+Media = tuple[tuple[str, int, int], ...]  # (identifier, offset, length) in prompt tokens
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as a router sees it: its tokens and what else makes its cache distinct."""
+
+    tokens: tuple[int, ...]
+    lora: tuple[str, int] | None = None  # (lora_name, lora_id)
+    media: Media = ()
+    salt: str | None = None
+
+
+def block_extra_keys(
+    start: int, end: int, lora: tuple[str, int] | None, media: Media, salt: str | None
+) -> tuple | None:
+    """A block's extra keys as vLLM's ``generate_block_hash_extra_keys``: the LoRA name, each
+    image overlapping [start, end) as ``(identifier, offset - start)``, the salt (first
+    block only); None when there are none."""
+    keys: list = [lora[0]] if lora else []
+    for ident, off, length in media:
+        if start < off + length and end > off:
+            keys.append((ident, off - start))
+    if salt and start == 0:
+        keys.append(salt)
+    return tuple(keys) if keys else None
+
+
+def media_identifiers(config: ModelConfig) -> list[str]:
+    """The image identifiers (as vLLM's mm hashes) shared by pods with one template_seed."""
+    return [
+        hashlib.sha256(f"image:{config.template_seed}:{i}".encode()).hexdigest()[:32]
+        for i in range(config.n_media)
+    ]
 
 
 def shared_templates(config: ModelConfig) -> list[list[int]]:
@@ -162,6 +233,9 @@ class _Request:
     tokens: list[int]  # prompt followed by every token it will generate
     prompt_len: int
     report_full: bool = False  # kv_cache_report_mode="full" (0.26+)
+    lora: tuple[str, int] | None = None
+    media: Media = ()
+    salt: str | None = None
     computed: int = 0  # tokens whose KV is computed
     blocks: list[int] = field(default_factory=list)  # held (pinned) physical blocks, in order
     hashes: list[bytes] = field(default_factory=list)  # their hashes
@@ -215,7 +289,11 @@ class PrefixCacheModel:
         self._running: list[_Request] = []
         self._waiting: list[_Request] = []
         self._history: list[list[int]] = []  # finished conversations, for follow-ups
+        self._history_ctx: list[tuple] = []  # their (lora, media, salt), in step
         self._prompts: list[list[int]] = []  # recent prompts, for repeats
+        self._prompts_ctx: list[tuple] = []
+        self._served: list[Prompt] = []  # recent prompts admitted, for served_prompts()
+        self._media_ids = media_identifiers(self.config)
         self.steps = 0
 
     # --- public -----------------------------------------------------------------------
@@ -266,6 +344,47 @@ class PrefixCacheModel:
             }
         return out
 
+    def served_prompts(self) -> list[Prompt]:
+        """The last prompts admitted (up to 64), oldest first."""
+        return list(self._served)
+
+    def prompt_hashes(self, prompt: Prompt) -> list[bytes]:
+        """The raw block hashes of a prompt's full blocks, as this engine computes them."""
+        bs = self.config.block_size
+        out: list[bytes] = []
+        parent = self.none_hash
+        for i in range(len(prompt.tokens) // bs):
+            extra = None
+            if prompt.lora is not None or prompt.media or prompt.salt is not None:
+                extra = block_extra_keys(
+                    i * bs, (i + 1) * bs, prompt.lora, prompt.media, prompt.salt
+                )
+            parent = chain_hash(parent, list(prompt.tokens[i * bs : (i + 1) * bs]), extra)
+            out.append(parent)
+        return out
+
+    def resident_prefix(self, prompt: Prompt) -> tuple[dict[TierKey, int], int]:
+        """The truth a router wants: per tier, how many leading blocks of ``prompt`` it holds
+        (vLLM's ``find_longest_cache_hit``: left to right, stop at the first block not
+        cached; tiers holding none left out), and how many leading blocks are each in some
+        tier. Residency, not a hit: vLLM recomputes at least the last token on admission."""
+        hashes = self.prompt_hashes(prompt)
+        tiers: dict[TierKey, int] = {}
+        for key, held in ((self.gpu_key, self._copies), (self.cpu_key, self._cpu_count)):
+            n = 0
+            for h in hashes:
+                if h not in held:
+                    break
+                n += 1
+            if n:
+                tiers[key] = n
+        n_any = 0
+        for h in hashes:
+            if h not in self._copies and h not in self._cpu_count:
+                break
+            n_any += 1
+        return tiers, n_any
+
     @property
     def gpu_blocks(self) -> int:
         return len(self._refs)
@@ -279,26 +398,61 @@ class PrefixCacheModel:
     def _new_request(self) -> _Request:
         cfg, rng = self.config, self._rng
         limit = cfg.max_request_tokens
+        ctx: tuple = (None, (), None)  # (lora, media, salt)
         if self._prompts and cfg.repeat_prob and rng.random() < cfg.repeat_prob:
             # The same prompt again, block-aligned: every block but the last is a hit.
-            prompt = list(rng.choice(self._prompts))
+            j = rng.randrange(len(self._prompts))
+            prompt, ctx = list(self._prompts[j]), self._prompts_ctx[j]
             prompt = prompt[: max(1, len(prompt) // cfg.block_size) * cfg.block_size]
         else:
             if self._history and rng.random() < cfg.followup_prob:
-                prefix = list(rng.choice(self._history))
+                j = rng.randrange(len(self._history))
+                prefix, ctx = list(self._history[j]), self._history_ctx[j]
             else:
                 prefix = list(rng.choice(self._templates))
+                ctx = self._new_context()
             n_suffix = rng.randint(*cfg.suffix_tokens)
             suffix = [rng.randint(0, MAX_TOKEN_ID) for _ in range(n_suffix)]
+            if cfg.mm_prob and suffix and rng.random() < cfg.mm_prob:
+                n = min(len(suffix), rng.randint(*cfg.media_tokens))
+                at = rng.randint(0, len(suffix) - n)
+                suffix[at : at + n] = [IMAGE_TOKEN] * n
+                image = (rng.choice(self._media_ids), len(prefix) + at, n)
+                ctx = (ctx[0], (*ctx[1], image), ctx[2])
             prompt = (prefix + suffix)[: max(1, limit - 1)] or [rng.randint(0, MAX_TOKEN_ID)]
         gen = [rng.randint(0, MAX_TOKEN_ID) for _ in range(rng.randint(*cfg.gen_tokens))]
         prompt = prompt[: max(1, limit - 1)]
+        lora, media, salt = ctx
+        media = tuple(m for m in media if m[1] + m[2] <= len(prompt))  # cut with the prompt
         tokens = (prompt + gen)[:limit]
         if cfg.repeat_prob:
             self._prompts.append(prompt)
+            self._prompts_ctx.append((lora, media, salt))
             del self._prompts[:-16]
+            del self._prompts_ctx[:-16]
         full = self._report_full and rng.random() < cfg.report_full_prob
-        return _Request(tokens=tokens, prompt_len=len(prompt), report_full=full)
+        return _Request(
+            tokens=tokens, prompt_len=len(prompt), report_full=full, lora=lora, media=media,
+            salt=salt,
+        )  # fmt: skip
+
+    def _new_context(self) -> tuple:
+        """(lora, media, salt) of a new conversation. Draws nothing unless configured, so
+        that workloads without them keep their random streams."""
+        cfg, rng = self.config, self._rng
+        lora = salt = None
+        if cfg.lora_prob and rng.random() < cfg.lora_prob:
+            i = rng.randrange(len(cfg.lora_names))
+            lora = (cfg.lora_names[i], i + 1)
+        if cfg.salt_prob and rng.random() < cfg.salt_prob:
+            salt = rng.choice(cfg.salts)
+        return (lora, (), salt)
+
+    def _extra(self, req: _Request, i: int) -> tuple | None:
+        if req.lora is None and not req.media and req.salt is None:
+            return None
+        bs = self.config.block_size
+        return block_extra_keys(i * bs, (i + 1) * bs, req.lora, req.media, req.salt)
 
     def _admit(self, req: _Request, events: list[VllmEvent]) -> bool:
         """Start ``req`` if its remaining blocks fit: pin its longest cached prefix.
@@ -311,7 +465,7 @@ class PrefixCacheModel:
         hashes: list[bytes] = []
         parent = self.none_hash
         for i in range((known - 1) // bs):
-            h = chain_hash(parent, req.tokens[i * bs : (i + 1) * bs])
+            h = chain_hash(parent, req.tokens[i * bs : (i + 1) * bs], self._extra(req, i))
             copies = self._copies.get(h)
             if not copies:
                 break
@@ -327,8 +481,13 @@ class PrefixCacheModel:
         req.blocks, req.hashes = hits, hashes
         req.computed = len(hits) * bs
         self._running.append(req)
+        if req.computed <= req.prompt_len:  # not a preempted request coming back
+            self._served.append(
+                Prompt(tuple(req.tokens[: req.prompt_len]), req.lora, req.media, req.salt)
+            )
+            del self._served[:-64]
         if req.report_full and hashes:  # 0.26+ report mode "full": hits announced again
-            events.append(self._stored(list(hashes), None, req.tokens[: len(hashes) * bs]))
+            events.append(self._stored(list(hashes), None, req.tokens[: len(hashes) * bs], req, 0))
         return True
 
     def _compute(
@@ -339,7 +498,7 @@ class PrefixCacheModel:
         run_start = len(req.blocks)  # index of the first block of the current run
         for i in range(len(req.blocks), target // bs):
             parent = req.hashes[-1] if req.hashes else self.none_hash
-            h = chain_hash(parent, req.tokens[i * bs : (i + 1) * bs])
+            h = chain_hash(parent, req.tokens[i * bs : (i + 1) * bs], self._extra(req, i))
             b = self._allocate(req, events)
             if b is None:
                 self._flush(req, run_start, events, connector)
@@ -358,7 +517,9 @@ class PrefixCacheModel:
             self._running.remove(req)
             self._release(req)
             self._history.append(req.tokens)
+            self._history_ctx.append((req.lora, req.media, req.salt))
             del self._history[:-16]
+            del self._history_ctx[:-16]
 
     # --- cache ------------------------------------------------------------------------
 
@@ -430,7 +591,7 @@ class PrefixCacheModel:
         bs = self.config.block_size
         parent = req.hashes[start - 1] if start > 0 else None
         tokens = req.tokens[start * bs : (start + len(run)) * bs]
-        events.append(self._stored(run, parent, tokens))
+        events.append(self._stored(run, parent, tokens, req, start))
         cfg = self.config
         if self._has_medium and cfg.cpu_offload_prob and self._rng.random() < cfg.cpu_offload_prob:
             self._offload(run, connector)
@@ -480,12 +641,19 @@ class PrefixCacheModel:
 
     # --- events -----------------------------------------------------------------------
 
-    def _stored(self, run: list[bytes], parent: bytes | None, tokens: list[int]) -> BlockStored:
+    def _stored(
+        self, run: list[bytes], parent: bytes | None, tokens: list[int], req: _Request, start: int
+    ) -> BlockStored:
         event = BlockStored(list(run), parent, tokens, self.config.block_size)
         if self._has_medium:
             event.medium = GPU
+        if req.lora is not None:
+            event.lora_id = req.lora[1]
+            if "lora_name" in self._stored_has:
+                event.lora_name = req.lora[0]
         if "extra_keys" in self._stored_has:
-            event.extra_keys = [None] * len(run)
+            extra = [self._extra(req, start + i) for i in range(len(run))]
+            event.extra_keys = [None if e is None else list(e) for e in extra]
         if "group_idx" in self._stored_has:
             event.group_idx = 0
         if "kv_cache_spec_kind" in self._stored_has:

@@ -36,7 +36,13 @@ import zmq
 from bridge.config import offset_port
 from bridge.events import BlockRemoved, BlockStored, EventBatch, VllmEvent
 from bridge.jsonview import event_to_json
-from bridge.simulator.model import ModelConfig, PrefixCacheModel, TierKey, shared_templates
+from bridge.simulator.model import (
+    ModelConfig,
+    PrefixCacheModel,
+    Prompt,
+    TierKey,
+    shared_templates,
+)
 from bridge.vllm.encoder import encode_batch, normal_hash
 from bridge.vllm.framing import (
     FrameError,
@@ -299,6 +305,14 @@ class RankPublisher:
     def copies(self) -> dict[TierKey, dict[bytes, int]]:
         with self._lock:
             return self.model.copies()
+
+    def served_prompts(self) -> list[Prompt]:
+        with self._lock:
+            return self.model.served_prompts()
+
+    def resident_prefix(self, prompt: Prompt) -> tuple[dict[TierKey, int], int]:
+        with self._lock:
+            return self.model.resident_prefix(prompt)
 
     # --- thread -------------------------------------------------------------------------
 

@@ -1,0 +1,511 @@
+"""The content index: resident blocks by content key, for scoring a prompt's token ids (pure).
+
+Kept next to :class:`bridge.state.CacheState`, which decides residency (policies, copies,
+EventsLost) and tells this index when an engine hash enters or leaves a tier of a stream.
+Here, per stream:
+
+* each *slot* (a tier: medium, group_idx) maps its resident, indexed engine hashes to their
+  content keys (:mod:`bridge.contentkeys`). A ``BlockStored`` with tokens computes the keys
+  from the parent's (looked up by the parent's engine hash in the stream); one without
+  tokens (offload placeholders, ``block_size=0``) takes each hash's key from the stream's
+  other tiers, or from the keys of hashes that left them recently (an offload can be
+  reported after the GPU block was evicted);
+* a block that cannot be keyed is left out and counted in :attr:`ContentIndex.skipped` by
+  reason; it never gets a wrong key, and a child of it is unkeyable too (its parent unknown).
+
+Globally, each content key maps to the slots holding it, as a bit mask (one bit per slot; a
+single holder as ``~bit``). Scoring walks the prompt's blocks once per block size in the
+model's fleet, computing keys as it goes and AND-ing masks; the streams holding a block in
+any tier are the owners of its slots (mask -> stream mask, memoized: along a prompt the
+holders change a few times only). O(prompt blocks + matching slots), whatever the number
+of pods.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from hashlib import blake2b
+
+from bridge.contentkeys import (
+    KEY_BYTES,
+    chain,
+    lora_of,
+    pack_tokens,
+    root_key,
+    stored_extra,
+)
+from bridge.events import BlockStored
+
+StreamKey = tuple[str, int]
+Tier = tuple[str | None, int | None]
+RECENT_KEYS = 1024  # per stream: keys of hashes that left every tier, kept for placeholders
+SKIP_REASONS = ("misaligned", "token_domain", "lookahead", "unchained", "unknown_hash")
+
+
+def _set_bit(holders: dict[bytes, int], k: bytes, bit: int) -> bool:
+    """Set ``bit`` for ``k``; True if it was set already."""
+    m = holders.get(k)
+    if m is None:
+        holders[k] = ~bit
+        return False
+    if m < 0:
+        if ~m == bit:
+            return True
+        holders[k] = (1 << ~m) | (1 << bit)
+        return False
+    one = 1 << bit
+    if m & one:
+        return True
+    holders[k] = m | one
+    return False
+
+
+def _clear_bit(holders: dict[bytes, int], k: bytes, bit: int) -> None:
+    m = holders.get(k)
+    if m is None:
+        return
+    if m < 0:
+        if ~m == bit:
+            del holders[k]
+        return
+    m &= ~(1 << bit)
+    if m & (m - 1):
+        holders[k] = m
+    elif m:
+        holders[k] = ~(m.bit_length() - 1)
+    else:  # pragma: no cover (a positive mask has two bits or more)
+        del holders[k]
+
+
+def _bits(m: int) -> Iterable[int]:
+    while m:
+        low = m & -m
+        yield low.bit_length() - 1
+        m ^= low
+
+
+@dataclass(slots=True, eq=False)
+class _Slot:
+    bit: int
+    tier: Tier
+    owner: StreamKey
+    name: str  # tier_name(tier)
+    held: dict[bytes, bytes] = field(default_factory=dict)  # engine hash -> content key
+    extra: dict[bytes, int] = field(default_factory=dict)  # content key -> holders, if > 1
+
+
+@dataclass(slots=True, eq=False)
+class _Stream:
+    key: StreamKey
+    bit: int
+    model: str
+    block_size: int = 0  # of its last keyed store; 0 until one
+    block_sizes: set[int] = field(default_factory=set)  # of all its keyed stores (groups)
+    slots: dict[Tier, _Slot] = field(default_factory=dict)
+    recent: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)
+    # The parts so far of a BlockStored split over records (bridge.split): keyed together
+    # with the last part, once it shows whether the whole event's tokens lined up.
+    pending: list[tuple[Tier, BlockStored]] = field(default_factory=list)
+
+    def lookup(self, h: bytes) -> bytes | None:
+        for slot in self.slots.values():
+            k = slot.held.get(h)
+            if k is not None:
+                return k
+        return self.recent.get(h)
+
+
+def tier_name(tier: Tier) -> str:
+    """A tier as answers name it: the medium ("engine" without one: releases before 0.10.2,
+    whose blocks are the engine's own), and ``/<group>`` for KV-cache groups other than 0."""
+    medium, group = tier
+    name = "engine" if medium is None else medium
+    return name if not group else f"{name}/{group}"
+
+
+def _bit_list(m: int) -> list[int]:
+    """The set bits of ``m`` (>= 0), via its binary text for dense masks."""
+    if not m & (m - 1):
+        return [m.bit_length() - 1] if m else []
+    text = bin(m)
+    top = len(text) - 3
+    return [top - i for i, c in enumerate(text[2:]) if c == "1"]
+
+
+class ContentIndex:
+    def __init__(self) -> None:
+        self.slot_holders: dict[bytes, int] = {}
+        self._owner_bit: list[int] = []  # slot bit -> its stream's bit
+        self._streams_of: dict[int, int] = {}  # memo: slot mask -> stream mask
+        # memos: stream mask -> stream keys; slot mask -> (owner key, tier name) per slot
+        self._stream_keys: dict[int, list[StreamKey]] = {}
+        self._slot_names: dict[int, list[tuple[StreamKey, str]]] = {}
+        self.streams: dict[StreamKey, _Stream] = {}
+        self._slot_bits: list[_Slot | None] = []
+        self._stream_bits: list[_Stream | None] = []
+        self._free_slot_bits: list[int] = []
+        self._free_stream_bits: list[int] = []
+        self.sizes: dict[str, Counter[int]] = {}  # model -> block size -> streams
+        self.skipped: Counter[str] = Counter()
+        self._roots: dict[tuple[str, str | int | None, int], bytes] = {}
+
+    # --- bookkeeping ----------------------------------------------------------------------
+
+    def root(self, model: str, lora: str | int | None, block_size: int) -> bytes:
+        k = (model, lora, block_size)
+        r = self._roots.get(k)
+        if r is None:
+            r = self._roots[k] = root_key(model, lora, block_size)
+        return r
+
+    def _stream(self, key: StreamKey, model: str) -> _Stream:
+        s = self.streams.get(key)
+        if s is not None and s.model != model:  # the pod now serves another model
+            self.forget_stream(key)
+            s = None
+        if s is None:
+            bit = self._free_stream_bits.pop() if self._free_stream_bits else len(self._stream_bits)
+            s = _Stream(key, bit, model)
+            if bit == len(self._stream_bits):
+                self._stream_bits.append(s)
+            else:
+                self._stream_bits[bit] = s
+            self.streams[key] = s
+        return s
+
+    def _slot(self, s: _Stream, tier: Tier) -> _Slot:
+        slot = s.slots.get(tier)
+        if slot is None:
+            bit = self._free_slot_bits.pop() if self._free_slot_bits else len(self._slot_bits)
+            slot = s.slots[tier] = _Slot(bit, tier, s.key, tier_name(tier))
+            if bit == len(self._slot_bits):
+                self._slot_bits.append(slot)
+                self._owner_bit.append(s.bit)
+            else:
+                self._slot_bits[bit] = slot
+                self._owner_bit[bit] = s.bit
+                self._forget_memos()
+        return slot
+
+    def _set_size(self, s: _Stream, block_size: int) -> None:
+        s.block_size = block_size
+        if block_size not in s.block_sizes:
+            s.block_sizes.add(block_size)
+            self.sizes.setdefault(s.model, Counter())[block_size] += 1
+
+    def _add(self, s: _Stream, slot: _Slot, h: bytes, k: bytes) -> None:
+        slot.held[h] = k
+        if _set_bit(self.slot_holders, k, slot.bit):
+            slot.extra[k] = slot.extra.get(k, 1) + 1
+
+    def _drop(self, s: _Stream, slot: _Slot, h: bytes) -> None:
+        k = slot.held.pop(h, None)
+        if k is None:
+            return
+        n = slot.extra.get(k)
+        if n:
+            if n > 2:
+                slot.extra[k] = n - 1
+            else:
+                del slot.extra[k]
+        else:
+            _clear_bit(self.slot_holders, k, slot.bit)
+        s.recent[h] = k
+        if len(s.recent) > RECENT_KEYS:
+            s.recent.popitem(last=False)
+
+    # --- what CacheState reports ------------------------------------------------------------
+
+    def stored(
+        self,
+        key: StreamKey,
+        model: str,
+        tiers: dict[Tier, dict[bytes, object]],
+        tier: Tier,
+        ev: BlockStored,
+        part: int = 0,
+        parts: int = 1,
+    ) -> None:
+        """``ev`` was applied to ``tier`` of the stream (``tiers``: its resident hashes per
+        tier); ``part`` of ``parts`` when the bridge split one BlockStored over records."""
+        s = self._stream(key, model)
+        if parts > 1:
+            if part == 0:
+                s.pending.clear()
+            s.pending.append((tier, ev))
+            if part < parts - 1:
+                return
+            whole, s.pending = s.pending, []
+            bs = whole[0][1].block_size
+            if sum(len(e.token_ids) for _, e in whole) != bs * sum(
+                len(e.block_hashes) for _, e in whole
+            ):  # the whole event's tokens did not line up: so not its parts' either
+                for t, e in whole:
+                    self._store(s, tiers.get(t, {}), t, replace(e, token_ids=[1]))
+                return
+            for t, e in whole:
+                self._store(s, tiers.get(t, {}), t, e)
+            return
+        self._store(s, tiers[tier], tier, ev)
+
+    def _store(
+        self, s: _Stream, resident: dict[bytes, object], tier: Tier, ev: BlockStored
+    ) -> None:
+        hashes = ev.block_hashes
+        n = len(hashes)
+        if not n:
+            return
+        keys = self._keys(s, ev, n)
+        slot = self._slot(s, tier)
+        held = slot.held
+        for i, h in enumerate(hashes):
+            if h in held or h not in resident:
+                continue
+            if keys is not None:
+                k = keys[i]  # None: skipped and counted by _keys
+            else:
+                k = s.lookup(h)
+                if k is None:
+                    self.skipped["misaligned" if ev.token_ids else "unknown_hash"] += 1
+            if k is not None:
+                self._add(s, slot, h, k)
+
+    def _keys(self, s: _Stream, ev: BlockStored, n: int) -> list[bytes | None] | None:
+        """The content keys of a store's blocks from its tokens; None when they cannot be
+        computed from it (no tokens, or tokens not lining up: then per-hash lookups)."""
+        bs = ev.block_size
+        toks = ev.token_ids
+        if bs <= 0 or len(toks) != n * bs:
+            return None
+        reason = None
+        ek = ev.extra_keys
+        if ek is not None and len(ek) != n:
+            reason = "misaligned"  # extra keys not one per block: which block has which?
+        look = ev.lookahead_token_ids
+        if reason is None and look is not None and any(look):
+            reason = "lookahead"  # lookahead tokens went into the hash: a query cannot tell
+        parent = ev.parent_block_hash
+        if parent is None:
+            pk: bytes | None = self.root(s.model, lora_of(ev.lora_name, ev.lora_id), bs)
+        else:
+            pk = s.lookup(parent)
+            if pk is None and reason is None:
+                reason = "unchained"
+        buf = pack_tokens(toks) if reason is None else None
+        if reason is None and buf is None:
+            reason = "token_domain"
+        if reason is not None:
+            # What the stream already keyed for these hashes stays valid; the rest is skipped.
+            known = [s.lookup(h) for h in ev.block_hashes]
+            self.skipped[reason] += sum(1 for k in known if k is None)
+            return known
+        extras = None
+        if ek is not None and ek.count(None) != n:
+            extras = [stored_extra(e, ev.lora_name) for e in ek]
+        self._set_size(s, bs)
+        assert pk is not None and buf is not None
+        return list(chain(pk, buf, bs, n, extras))
+
+    def removed(
+        self, key: StreamKey, resident: dict[bytes, object] | None, tier: Tier, hashes: list[bytes]
+    ) -> None:
+        """A remove was applied to ``tier``; ``resident``: what the tier still holds (a
+        ``remaining_copy_counts`` can also make a hash resident)."""
+        s = self.streams.get(key)
+        if s is None:
+            return
+        slot = s.slots.get(tier)
+        for h in hashes:
+            if resident is None or h not in resident:
+                if slot is not None:
+                    self._drop(s, slot, h)
+            else:
+                if slot is None:
+                    slot = self._slot(s, tier)
+                if h not in slot.held:
+                    k = s.lookup(h)
+                    if k is None:
+                        self.skipped["unknown_hash"] += 1
+                    else:
+                        self._add(s, slot, h, k)
+
+    def resync(self, key: StreamKey, tier: Tier, resident: dict[bytes, object] | None) -> None:
+        """Drop what ``tier`` no longer holds (after a change not told hash by hash)."""
+        s = self.streams.get(key)
+        slot = s.slots.get(tier) if s is not None else None
+        if s is None or slot is None:
+            return
+        for h in [h for h in slot.held if resident is None or h not in resident]:
+            self._drop(s, slot, h)
+
+    def cleared(self, key: StreamKey) -> None:
+        """Every tier of the stream was emptied (its recent keys stay valid)."""
+        s = self.streams.get(key)
+        if s is None:
+            return
+        for slot in s.slots.values():
+            for h in list(slot.held):
+                self._drop(s, slot, h)
+
+    def forget_stream(self, key: StreamKey) -> None:
+        """A new incarnation, a fresh start, or a removed pod: nothing of it is kept."""
+        s = self.streams.pop(key, None)
+        if s is None:
+            return
+        for slot in s.slots.values():
+            for h in list(slot.held):
+                self._drop(s, slot, h)
+            self._slot_bits[slot.bit] = None
+            self._free_slot_bits.append(slot.bit)
+        self._forget_memos()
+        self._stream_bits[s.bit] = None
+        self._free_stream_bits.append(s.bit)
+        sizes = self.sizes.get(s.model)
+        if sizes is not None:
+            for bs in s.block_sizes:
+                sizes[bs] -= 1
+                if sizes[bs] <= 0:
+                    del sizes[bs]
+            if not sizes:
+                del self.sizes[s.model]
+
+    def forget_pod(self, pod: str) -> None:
+        for key in [k for k in self.streams if k[0] == pod]:
+            self.forget_stream(key)
+
+    def indexed_blocks(self) -> int:
+        return sum(len(sl.held) for s in self.streams.values() for sl in s.slots.values())
+
+    # --- scoring --------------------------------------------------------------------------
+
+    def _forget_memos(self) -> None:
+        """Bits were given to other slots or streams: the memos of masks are void."""
+        self._streams_of.clear()
+        self._stream_keys.clear()
+        self._slot_names.clear()
+
+    def _keys_of(self, streams: int) -> list[StreamKey]:
+        r = self._stream_keys.get(streams)
+        if r is None:
+            bits = self._stream_bits
+            r = sorted(bits[b].key for b in _bit_list(streams))  # type: ignore[union-attr]
+            if len(self._stream_keys) >= 4096:
+                self._stream_keys.clear()
+            self._stream_keys[streams] = r
+        return r
+
+    def _names_of(self, slots: int) -> list[tuple[StreamKey, str]]:
+        r = self._slot_names.get(slots)
+        if r is None:
+            bits = self._slot_bits
+            r = [(bits[b].owner, bits[b].name) for b in _bit_list(slots)]  # type: ignore[union-attr]
+            if len(self._slot_names) >= 4096:
+                self._slot_names.clear()
+            self._slot_names[slots] = r
+        return r
+
+    def streams_of(self, slots: int) -> int:
+        """The stream bits owning the slot bits of ``slots`` (memoized)."""
+        r = self._streams_of.get(slots)
+        if r is None:
+            r = 0
+            owner = self._owner_bit
+            for b in _bits(slots):
+                r |= 1 << owner[b]
+            if len(self._streams_of) >= 4096:
+                self._forget_memos()
+            self._streams_of[slots] = r
+        return r
+
+    def stream_mask(self, keys: Iterable[StreamKey]) -> tuple[int, int]:
+        """(slot bits, stream bits) of the given streams: a query's ``pods`` filter."""
+        slots = streams = 0
+        for key in keys:
+            s = self.streams.get(key)
+            if s is None:
+                continue
+            streams |= 1 << s.bit
+            for slot in s.slots.values():
+                slots |= 1 << slot.bit
+        return slots, streams
+
+    def score(
+        self,
+        model: str,
+        lora: str | int | None,
+        tokens: bytes,
+        extras_for: object = None,
+        only: tuple[int, int] | None = None,
+    ) -> dict[StreamKey, list]:
+        """Per stream with a leading block of the prompt (packed ``tokens``):
+        ``[block_size, leading tokens in any tier, {tier name: leading tokens}]``.
+        ``extras_for(n_blocks, block_size)``: the blocks' extra parts (None: none); ``only``:
+        a :meth:`stream_mask` to limit the answer to."""
+        out: dict[StreamKey, list] = {}
+        sizes = self.sizes.get(model)
+        if not sizes:
+            return out
+        n_tokens = len(tokens) // 4
+        holders_get = self.slot_holders.get
+        streams_of = self.streams_of
+        for bs in sorted(sizes):
+            nb = n_tokens // bs
+            if not nb:
+                continue
+            extras = extras_for(nb, bs) if extras_for is not None else None  # type: ignore[operator]
+            w = 4 * bs
+            k = self.root(model, lora, bs)
+            alive = salive = 0
+            last = None  # the previous block's slot mask
+            slot_drops: list[tuple[int, int]] = []  # (leading blocks, slots that had those)
+            stream_drops: list[tuple[int, int]] = []
+            i = 0
+            for i in range(nb):
+                data = k + tokens[i * w : i * w + w]
+                if extras is not None:
+                    data += extras[i]
+                k = blake2b(data, digest_size=KEY_BYTES).digest()
+                m = holders_get(k, 0)
+                if m == last:  # the same holders as the block before: nobody dropped out
+                    continue
+                last = m
+                if m < 0:
+                    m = 1 << ~m
+                if i == 0:
+                    alive, salive = m, streams_of(m)
+                    if only is not None:
+                        alive &= only[0]
+                        salive &= only[1]
+                else:
+                    new = alive & m
+                    if new != alive:
+                        slot_drops.append((i, alive ^ new))
+                        alive = new
+                    new = salive & streams_of(m)
+                    if new != salive:
+                        stream_drops.append((i, salive ^ new))
+                        salive = new
+                if not salive:  # a slot's bit implies its stream's: nothing left to extend
+                    break
+            else:
+                i = nb
+            slot_drops.append((i, alive))
+            stream_drops.append((i, salive))
+            found = out if not out else {}  # a second block size: merged below
+            for n, mask in stream_drops:
+                if n and mask:
+                    t = n * bs
+                    for key in self._keys_of(mask):
+                        found[key] = [bs, t, {}]
+            for n, mask in slot_drops:
+                if n and mask:
+                    t = n * bs
+                    for key, name in self._names_of(mask):
+                        found[key][2][name] = t
+            if found is not out:  # a stream with groups of two sizes: its longer answer
+                for key, entry in found.items():
+                    if key not in out or out[key][1] < entry[1]:
+                        out[key] = entry
+        return out

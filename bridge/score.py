@@ -1,0 +1,193 @@
+"""Scoring pods for a prompt by its token ids: the request, its validation, the answer (pure).
+
+``{model, lora_name?, lora_id?, token_ids, media?, cache_salt?, pods?}`` -> per (pod, dp_rank)
+of that model holding a leading block of the prompt (and every stream of the pods asked for):
+the leading tokens resident per tier and in any tier, the stream's block size, and whether
+the stream is certain. Answered from :class:`bridge.state.CacheState`'s content index
+(:mod:`bridge.contentindex`): no engine hash is involved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any
+
+from bridge.contentkeys import MAX_TOKEN_ID, lora_of, pack_tokens, query_extras
+from bridge.state import CacheState
+
+MAX_PROMPT_TOKENS = 1_000_000
+MAX_MEDIA = 4096
+FIELDS = ("model", "lora_name", "lora_id", "token_ids", "media", "cache_salt", "pods")
+
+
+class ScoreError(ValueError):
+    """A score request a client must fix (the HTTP server answers 400 with the message)."""
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    model: str
+    token_ids: bytes  # packed (bridge.contentkeys.pack_tokens)
+    n_tokens: int
+    lora_name: str | None = None
+    lora_id: int | None = None
+    media: tuple[tuple[str, int, int], ...] = ()
+    cache_salt: str | None = None
+    pods: tuple[str, ...] | None = None
+
+
+def _int(v: Any) -> bool:
+    return type(v) is int
+
+
+def make_request(
+    model: Any,
+    token_ids: Any,
+    lora_name: Any = None,
+    lora_id: Any = None,
+    media: Any = None,
+    cache_salt: Any = None,
+    pods: Any = None,
+) -> ScoreRequest:
+    """A validated :class:`ScoreRequest`; :class:`ScoreError` says what is wrong."""
+    if not isinstance(model, str) or not model:
+        raise ScoreError('"model" is required: the model name the pods serve (a string)')
+    if not isinstance(token_ids, list):
+        raise ScoreError('"token_ids" is required: the prompt\'s token ids (a list of ints)')
+    if not token_ids:
+        raise ScoreError('"token_ids" is empty: give the prompt\'s token ids')
+    if len(token_ids) > MAX_PROMPT_TOKENS:
+        raise ScoreError(f'"token_ids": {len(token_ids)} tokens, at most {MAX_PROMPT_TOKENS}')
+    packed = pack_tokens(token_ids)  # C speed; the loop below only says what is wrong
+    if packed is None:
+        for i, t in enumerate(token_ids):
+            if not _int(t) or not 0 <= t <= MAX_TOKEN_ID:
+                raise ScoreError(
+                    f'"token_ids"[{i}] = {t!r}: token ids are ints in 0..{MAX_TOKEN_ID}'
+                )
+        raise ScoreError('"token_ids": not a list of token ids')  # pragma: no cover
+    if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+        raise ScoreError('"lora_name" must be a non-empty string (the adapter\'s name) or null')
+    if lora_id is not None and (not _int(lora_id) or lora_id < 0):
+        raise ScoreError('"lora_id" must be a non-negative int (releases before 0.14) or null')
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ScoreError('"cache_salt" must be a non-empty string or null')
+    items: list[tuple[str, int, int]] = []
+    if media is not None:
+        if not isinstance(media, list) or len(media) > MAX_MEDIA:
+            raise ScoreError(f'"media" must be a list (at most {MAX_MEDIA}) of multimodal inputs')
+        for i, m in enumerate(media):
+            if not isinstance(m, dict) or set(m) - {"identifier", "offset", "length"}:
+                raise ScoreError(
+                    f'"media"[{i}]: give {{"identifier": str, "offset": int, "length": int}}'
+                )
+            ident, off, length = m.get("identifier"), m.get("offset"), m.get("length")
+            if not isinstance(ident, str) or not ident:
+                raise ScoreError(f'"media"[{i}].identifier: the input\'s hash or uuid (a string)')
+            if not _int(off) or not _int(length) or off < 0 or length < 1:
+                raise ScoreError(
+                    f'"media"[{i}]: offset (>= 0) and length (>= 1) are ints, in prompt tokens'
+                )
+            if off + length > len(token_ids):
+                raise ScoreError(f'"media"[{i}] ends past the prompt ({len(token_ids)} tokens)')
+            items.append((ident, off, length))
+    pod_names: tuple[str, ...] | None = None
+    if pods is not None:
+        if not isinstance(pods, list) or not all(isinstance(p, str) and p for p in pods):
+            raise ScoreError('"pods" must be a list of pod names, or null for every pod')
+        pod_names = tuple(dict.fromkeys(pods))
+    return ScoreRequest(
+        model, packed, len(token_ids), lora_name, lora_id, tuple(items), cache_salt, pod_names
+    )
+
+
+def parse_body(doc: Any, raw: bytes | None = None) -> ScoreRequest:
+    """A decoded JSON body -> :class:`ScoreRequest`. JSON ``true``/``false`` among the token
+    ids are refused (Python takes them for ints); with the ``raw`` body that check is only
+    made when the body holds such a literal."""
+    if not isinstance(doc, dict):
+        raise ScoreError('body must be a JSON object: {"model": ..., "token_ids": [...]}')
+    unknown = set(doc) - set(FIELDS)
+    if unknown:
+        raise ScoreError(f"unknown field(s) {sorted(unknown)}; accepted: {', '.join(FIELDS)}")
+    tokens = doc.get("token_ids")
+    if isinstance(tokens, list) and (raw is None or b"true" in raw or b"false" in raw):
+        for i, t in enumerate(tokens):
+            if type(t) is bool:
+                raise ScoreError(f'"token_ids"[{i}] = {t!r}: token ids are ints')
+    return make_request(**{k: doc.get(k) for k in FIELDS})
+
+
+def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
+    """Per stream of ``req.model``: ``{pod, dp_rank, block_size, tokens: {tier: n},
+    any_tier_tokens, uncertain}``, most leading tokens first. Streams of ``req.pods`` are
+    listed even at 0; otherwise a stream with nothing of the prompt is listed only if it is
+    uncertain. :class:`ScoreError` for a pod in ``req.pods`` that the state does not know."""
+    content = state.content
+    if content is None:
+        raise ScoreError("this state keeps no content index (CacheState(content=False))")
+    only = None
+    if req.pods is not None:
+        wanted = set(req.pods)
+        keys = [k for k in state.streams if k[0] in wanted]
+        missing = wanted - {k[0] for k in keys}
+        if missing:
+            raise ScoreError(f"unknown pod(s) {sorted(missing)}: GET /pods lists the pods")
+        only = content.stream_mask(keys)
+    media, salt = req.media, req.cache_salt
+
+    def extras(n_blocks: int, block_size: int) -> list[bytes] | None:
+        return query_extras(n_blocks, block_size, media, salt)
+
+    lora = lora_of(req.lora_name, req.lora_id)
+    found = content.score(req.model, lora, req.token_ids, extras, only)
+    if req.lora_name is not None and req.lora_id is not None:
+        # Releases before 0.14 name the adapter by id only: a fleet can hold both kinds.
+        for key, sc in content.score(req.model, req.lora_id, req.token_ids, extras, only).items():
+            if key not in found or found[key][1] < sc[1]:
+                found[key] = sc
+    # Rank: most leading tokens, certain before uncertain, then by (pod, rank). The index
+    # lists each group of equal length in (pod, rank) order, so a stable sort on the first
+    # two is enough -- unless two walks (block sizes, LoRA name and id) were merged.
+    streams, models = state.streams, state.models
+    order = []
+    for key, (bs, n_any, tiers) in found.items():
+        st = streams.get(key)
+        unc = st is not None and st.uncertain
+        order.append((-2 * n_any + unc, key, bs, n_any, unc, tiers))
+    extra = []
+    for key, st in streams.items():
+        if key in found:
+            continue
+        if req.pods is not None:
+            if key[0] not in req.pods:
+                continue
+        elif not st.uncertain or models.get(key[0]) != req.model:
+            continue
+        cs = content.streams.get(key)
+        extra.append((st.uncertain, key, cs.block_size if cs else 0, 0, st.uncertain, {}))
+    order += sorted(extra)
+    merged = req.lora_name is not None and req.lora_id is not None
+    if merged or len(content.sizes.get(req.model, ())) > 1:
+        order.sort(key=_exact)
+    else:
+        order.sort(key=_first)
+    return [
+        {
+            "pod": key[0],
+            "dp_rank": key[1],
+            "block_size": bs,
+            "tokens": dict(sorted(tiers.items())) if len(tiers) > 1 else tiers,
+            "any_tier_tokens": n_any,
+            "uncertain": bool(unc),
+        }
+        for _, key, bs, n_any, unc, tiers in order
+    ]
+
+
+_first = itemgetter(0)
+
+
+def _exact(t: tuple) -> tuple:
+    return (t[0], t[1])
