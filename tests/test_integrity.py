@@ -30,7 +30,17 @@ def wait_topic_matches(bootstrap: str, topic: str, fleet: SimulatedFleet, timeou
 def test_ten_percent_dropped_live_all_recovered(kafka_bootstrap, make_topic):
     topic = make_topic(partitions=3)
     specs = [
-        PodSpec(name=f"p{i}", release=r, rate=200, batches=150, drop_rate=0.10, seed=i)
+        # Waiting for the bridge's subscription: a bridge slow to start (a loaded machine)
+        # would otherwise get everything by its first contact's replay, with no live gap.
+        PodSpec(
+            name=f"p{i}",
+            release=r,
+            rate=200,
+            batches=150,
+            drop_rate=0.10,
+            seed=i,
+            wait_for_subscriber=True,
+        )  # fmt: skip
         for i, r in enumerate(["0.9.0", "0.23.0", "0.33.0"])
     ]
     with SimulatedFleet(*specs) as fleet:
