@@ -3,10 +3,11 @@
 Version-agnostic. The plain forms vLLM sends take a typed fast path
 (:mod:`bridge.vllm.typed_decode`, one msgspec decode per payload); anything else, and
 every malformed payload, takes the general path here: one schema-less
-``msgpack.unpackb``, then cheap type checks. Both give the same result. Accepts every release 0.9.0–0.34.0: a 2- or 3-element (or map)
-envelope, events as positional arrays of any length or as maps. Integer hashes
-become their 8-byte normal form, byte hashes stay as they are. Anything this
-bridge does not know is kept as msgpack bytes (``extra``, ``UnknownEvent``).
+``msgpack.unpackb``, then cheap type checks. Both give the same result. Accepts
+every release 0.9.0–0.34.0: a 2- or 3-element (or map) envelope, events as
+positional arrays of any length or as maps. Integer hashes become their 8-byte
+normal form, byte hashes stay as they are. Anything this bridge does not know is
+kept as msgpack bytes (``extra``, ``UnknownEvent``).
 Every malformed payload raises :class:`DecodeError`, and nothing else.
 
 Values are checked against their domains here, so that every decoded batch can be
