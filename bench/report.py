@@ -393,6 +393,17 @@ def render(doc: dict[str, Any]) -> str:
     lines += [f"  {p}" for p in problems]
 
     lines += _render_peers(doc.get("peers"))
+    split = [c for c in doc.get("ceiling", []) if "decode_cpu_us_per_event" in c]
+    if split:
+        lines += ["", "Ceiling, CPU µs per event: decode_batch alone, and the encode on top of it"]
+        lines += _table(
+            ["ceiling", "decode µs/ev", "encode µs/ev", "total µs/ev"],
+            [
+                [c["label"], c["decode_cpu_us_per_event"], c["encode_cpu_us_per_event"]]
+                + [c["cpu_us_per_event"]]
+                for c in split
+            ],
+        )
 
     lat = doc.get("bridge", {}).get("latency", [])
     if lat:

@@ -1,10 +1,13 @@
 """Decode a vLLM ``KVEventBatch`` msgpack payload into typed events (spec §4, §5).
 
-Version-agnostic: one schema-less ``msgpack.unpackb`` per payload, then cheap
-type checks. Accepts every release 0.9.0–0.34.0: a 2- or 3-element (or map)
-envelope, events as positional arrays of any length or as maps. Integer hashes
-become their 8-byte normal form, byte hashes stay as they are. Anything this
-bridge does not know is kept as msgpack bytes (``extra``, ``UnknownEvent``).
+Version-agnostic. The plain forms vLLM sends take a typed fast path
+(:mod:`bridge.vllm.typed_decode`, one msgspec decode per payload); anything else, and
+every malformed payload, takes the general path here: one schema-less
+``msgpack.unpackb``, then cheap type checks. Both give the same result. Accepts
+every release 0.9.0–0.34.0: a 2- or 3-element (or map) envelope, events as
+positional arrays of any length or as maps. Integer hashes become their 8-byte
+normal form, byte hashes stay as they are. Anything this bridge does not know is
+kept as msgpack bytes (``extra``, ``UnknownEvent``).
 Every malformed payload raises :class:`DecodeError`, and nothing else.
 
 Values are checked against their domains here, so that every decoded batch can be
@@ -34,6 +37,7 @@ from bridge.events import (
     VllmEvent,
 )
 from bridge.vllm.releases import BLOCK_REMOVED_FIELDS, BLOCK_STORED_FIELDS
+from bridge.vllm.typed_decode import decode_typed
 
 __all__ = ["DecodeError", "decode_batch", "decode_event"]
 
@@ -416,6 +420,14 @@ def _envelope_extra(name: str, value: Any) -> bytes:
 
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode one PUB/replay payload; raises DecodeError (only) if it is malformed."""
+    batch = decode_typed(payload)  # the plain forms, typed (None: anything else)
+    if batch is not None:
+        return batch
+    return _decode_general(payload)
+
+
+def _decode_general(payload: bytes) -> EventBatch:
+    """Every form, the exact error: one schema-less unpack, then the checks below."""
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
     except Exception as exc:  # msgpack raises ValueError subclasses, TypeError, ...
