@@ -260,6 +260,20 @@ def render(doc: dict[str, Any]) -> str:
         rows.append(drain_row(f"bridge --workers {r.get('workers', '?')}", r))
     lines += _table(headers, rows)
     lines += [f"  {p}" for p in problems]
+    split = [c for c in doc.get("ceiling", []) if "decode_cpu_us_per_event" in c]
+    if split:
+        lines += [
+            "",
+            "Ceiling split (CPU µs per event; encode = decode + encode minus decode alone)",
+        ]
+        lines += _table(
+            ["ceiling", "decode", "encode", "decode + encode"],
+            [
+                [c["label"], c["decode_cpu_us_per_event"], c["encode_cpu_us_per_event"]]
+                + [c["cpu_us_per_event"]]
+                for c in split
+            ],
+        )
 
     lat = doc.get("bridge", {}).get("latency", [])
     if lat:
