@@ -5,9 +5,12 @@ joining byte strings: ``long``/``int`` -> zigzag varint, ``double`` -> 8 bytes l
 ``string``/``bytes`` -> varint length + raw, union -> branch index + value, array/map -> one
 block (count, items) then ``0``. This produces exactly the bytes fastavro's
 ``schemaless_writer`` does for the same datum (``tests/test_encoding_fast.py`` checks that on
-randomized events of every type), at a fraction of the cost: no per-record dict, and the
-envelope fields that are constant within a vLLM batch (pod, model, dp_rank, epoch, seq, then
-ts and batch_extra) are encoded once per batch; only ``index`` and the event vary per record.
+randomized events of every type, ``tests/test_encoding_property.py`` on generated ones), at a
+fraction of the cost: no per-record dict; the envelope fields that are constant within a vLLM
+batch (pod, model, dp_rank, epoch, seq, then ts and batch_extra) are encoded once per batch
+(:func:`batch_prefix`, :func:`envelope_tail`) and only ``index`` and the event vary per
+record (:func:`encode_records`); token ids are encoded all at once by bigint arithmetic
+(:func:`_lanes`); repeated runs of fields are encoded once per distinct value.
 
 Written for one schema: :data:`SCHEMA_FINGERPRINT` is the CRC-64-AVRO fingerprint of the
 schema these functions implement; :class:`bridge.records.RecordCodec` uses them only when the
@@ -28,6 +31,8 @@ from bridge.markers import EmptyBatch, EventsLost, PodRemoved, PublisherRestarte
 
 __all__ = [
     "INDEX",
+    "batch_prefix",
+    "encode_records",
     "SCHEMA_FINGERPRINT",
     "prepare",
     "encode_event",
