@@ -280,21 +280,11 @@ class RecordCodec:
                 )
                 for i, event in enumerate(events)
             ]
-        head = self.header + avro_encode.envelope_head(pod, model, dp_rank, epoch, seq)
-        tail = avro_encode.envelope_tail(ts, batch_extra)
-        get = avro_encode.EVENT_ENCODERS.get
-        slow = avro_encode.encode_event  # subclasses; TypeError for what is not an event
-        index = avro_encode.INDEX
-        whole = avro_encode.WHOLE
-        if len(events) <= len(index):
-            return [
-                b"".join((head, i, tail, get(type(e), slow)(e), whole))
-                for i, e in zip(index, events, strict=False)
-            ]
-        return [
-            b"".join((head, avro_encode.index_bytes(i), tail, slow(e), whole))
-            for i, e in enumerate(events)
-        ]
+        return avro_encode.encode_records(
+            avro_encode.batch_prefix(self.header, pod, model, dp_rank, epoch, seq),
+            avro_encode.envelope_tail(ts, batch_extra),
+            events,
+        )
 
     def encode_reference(self, envelope: Envelope, event: VllmEvent | Marker) -> bytes:
         """``encode`` through fastavro's generic writer: the reference the fast path matches,
