@@ -350,6 +350,17 @@ class StreamSequencer:
             return [Deliver(self._epoch, seq, payload, False)]
         return self._on_live_slow(seq, payload, now)
 
+    def live_in_order(self, seq: int, payload: bytes) -> bool:
+        """:meth:`on_live`'s hot path without an action list: True if ``seq`` is the next in
+        order with nothing pending; it is then accepted, and the caller delivers it exactly as
+        ``Deliver(epoch, seq, payload, False)``. False: nothing changed; call :meth:`on_live`."""
+        if seq != self._expect:
+            return False
+        self._expect = self._next = seq + 1
+        self._live_max = self._last = seq
+        self._last_payload = payload
+        return True
+
     def resume(self, last_seq: int, digest: bytes | None) -> None:
         """Continue this epoch after a bridge restart: ``last_seq`` was the last batch written
         (a checkpoint), ``digest`` its :func:`payload_digest` (None: unknown). Call before any

@@ -122,6 +122,7 @@ class KafkaSink:
         # its max.message.bytes as described at start (:meth:`set_topic_limit`).
         self.client_limit = int(conf.get("message.max.bytes", CLIENT_MAX_MESSAGE_BYTES))
         self.topic_limits: dict[str, int] = {}
+        self._budget_base: dict[str | None, int] = {}  # value_budget per topic, less the key
         self.refused_locally = False  # set while on_failure runs for a produce() refusal
         self.purged = 0  # records dropped unacknowledged by close() (not failures: see there)
 
@@ -214,6 +215,7 @@ class KafkaSink:
     def set_topic_limit(self, topic: str, max_message_bytes: int | None) -> None:
         """Record ``topic``'s max.message.bytes (None: not known, the broker default)."""
         self.topic_limits[topic] = max_message_bytes or BROKER_MAX_MESSAGE_BYTES
+        self._budget_base.clear()
 
     def record_limit(self, topic: str | None) -> tuple[int, int, int]:
         """(limit, topic's max.message.bytes, producer's message.max.bytes): a record whose
@@ -251,8 +253,11 @@ class KafkaSink:
     def value_budget(self, topic: str | None, key: bytes) -> int:
         """The largest value (bytes) written with ``key``: :meth:`record_limit` less the key,
         the record and batch framing (~100 bytes) and lz4's worst-case growth (1/255)."""
-        limit = self.record_limit(topic)[0]
-        return limit - len(key) - 160 - limit // 250
+        base = self._budget_base.get(topic)
+        if base is None:
+            limit = self.record_limit(topic)[0]
+            base = self._budget_base[topic] = limit - 160 - limit // 250
+        return base - len(key)
 
     def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
         if err is None:

@@ -26,6 +26,7 @@ __all__ = [
     "ReplayBatch",
     "ReplayEnd",
     "live_frames",
+    "live_seq_payload",
     "parse_live",
     "parse_replay_reply",
     "parse_replay_request",
@@ -91,13 +92,21 @@ def _batch_seq(seq: int, what: str) -> int:
 
 def parse_live(frames: Sequence[bytes]) -> LiveMessage:
     """A PUB message ``[topic, seq8, payload]``; FrameError for any other shape."""
+    seq, payload = live_seq_payload(frames)
+    return LiveMessage(bytes(frames[0]), seq, payload)
+
+
+def live_seq_payload(frames: Sequence[bytes]) -> tuple[int, bytes]:
+    """:func:`parse_live`'s checks, returning only ``(seq, payload)``: the bridge's hot path,
+    which needs neither the topic nor a :class:`LiveMessage` per batch."""
     if len(frames) != 3:
         raise FrameError(
             f"live message: expected 3 frames [topic, seq, payload], got {len(frames)}"
         )
-    topic, seq, payload = frames
-    seq_n = _batch_seq(_seq_of(seq, "live message"), "live message")
-    return LiveMessage(bytes(topic), seq_n, bytes(payload))
+    seq = _seq_of(frames[1], "live message")
+    if seq > _MAX_BATCH_SEQ:
+        _batch_seq(seq, "live message")
+    return seq, bytes(frames[2])
 
 
 def live_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
