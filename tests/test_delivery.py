@@ -52,6 +52,7 @@ KILLS = 5
 SHUTDOWN_TIMEOUT = 10.0  # passed as --shutdown-timeout where a test checks the exit time
 EXIT_SLACK = 5.0  # interpreter exit on top of the shutdown timeout
 OUTAGE_SECONDS = 30.0
+OUTAGE_MIN_BATCHES = 1000  # published while the broker is down: 10 s of both pods
 PAUSE_SECONDS = 15.0
 FENCED_EXIT_CODE = 3
 
@@ -444,7 +445,9 @@ def test_exactly_once_survives_five_sigkills(kafka_bootstrap, make_topic, tmp_pa
 def test_broker_down_for_30s_bridge_keeps_running(tmp_path):
     """The broker is stopped for 30 s mid-stream and started again on the same port: the
     bridge keeps running and the topic ends complete."""
-    pods = specs("outage", pods=2, rate=50, batches=1250)  # 25 s of publishing
+    # 60 s of publishing: the outage starts once the bridge is up, which takes seconds on a
+    # loaded machine, and must still overlap OUTAGE_MIN_BATCHES of the stream.
+    pods = specs("outage", pods=2, rate=50, batches=3000)
     with (
         KafkaBroker() as broker,  # its own: stopped below
         SimulatedFleet(*pods) as fleet,
@@ -460,6 +463,11 @@ def test_broker_down_for_30s_bridge_keeps_running(tmp_path):
         # OUTAGE_SECONDS of wall time, longer than librdkafka's request timeouts and the
         # bridge's commit/checkpoint intervals, while the pods keep publishing.
         hold(OUTAGE_SECONDS, bridge.assert_alive)
+        # On a loaded machine the pods publish slower than their rate: keep the broker down
+        # until the stream really went on meanwhile (30 s more at most).
+        end = time.monotonic() + 30
+        while published(fleet) - before < OUTAGE_MIN_BATCHES and time.monotonic() < end:
+            hold(0.5, bridge.assert_alive)
         during = published(fleet) - before
         broker.start()  # same port, same data
         records = wait_complete(broker.bootstrap, "outage", fleet, bridge)
@@ -468,7 +476,7 @@ def test_broker_down_for_30s_bridge_keeps_running(tmp_path):
         report = check_topic(broker.bootstrap, "outage", allow_duplicates=True, sent=sent)
     summary = f"{report.verdict()}; {during} batches published while the broker was down"
     print(summary)
-    assert during >= 50 * 2 * 10, summary  # the outage really overlapped the stream
+    assert during >= OUTAGE_MIN_BATCHES, summary  # the outage really overlapped the stream
     assert compare_with_sent(records, sent) == []
     assert report.ok and report.lost_batches == 0, f"{summary}\n" + "\n".join(report.details())
     assert dict(report.markers) == {"StreamStarted": 2}, summary
