@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.kafka import broker
 
+    # SIGTERM unwinds like Ctrl-C: the temporary worktree and the broker are removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = datetime.now(UTC)
     runs: dict[str, list[dict[str, Any]]] = {"this": [], "baseline": []}
     with baseline_tree(args.baseline) as (base, base_desc), broker(args.bootstrap) as b:

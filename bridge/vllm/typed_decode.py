@@ -37,93 +37,62 @@ Rank = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
 ExtraKey = list[None | bool | int | float | str] | None
 
 
-# --- array forms (vLLM <= 0.23): the tag is element 0 ----------------------------------
+# The fields of each event in vLLM's order (the array forms are positional; a release that
+# sends fewer trailing fields gets their defaults), shared by both forms.
+_STORED_FIELDS = [
+    ("block_hashes", list[Hash]),
+    ("parent_block_hash", Hash | None),
+    ("token_ids", list[Long]),
+    ("block_size", Long),
+    ("lora_id", Long | None, None),
+    ("medium", str | None, None),
+    ("lora_name", str | None, None),
+    ("extra_keys", list[ExtraKey] | None, None),
+    ("group_idx", Long | None, None),
+    ("kv_cache_spec_kind", str | None, None),
+    ("kv_cache_spec_sliding_window", Long | None, None),
+    ("locality", str | None, None),
+    ("ownership", str | None, None),
+    ("session_id", str | None, None),
+    ("lookahead_token_ids", list[list[Long]] | None, None),
+]
+_REMOVED_FIELDS = [
+    ("block_hashes", list[Hash]),
+    ("medium", str | None, None),
+    ("group_idx", Long | None, None),
+    ("locality", str | None, None),
+    ("ownership", str | None, None),
+]
 
 
-# gc=False: these hold no cycles and live only until converted; untracked, they do not
-# count towards the collector's thresholds.
-class _ArrayEvent(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True, gc=False):
-    pass
+def _batch_type(form: str, **options: object) -> tuple[type, type, type]:
+    """The batch Struct of one form (its events tagged by ``options``), and its stored and
+    removed event types. gc=False: these hold no cycles and live only until converted;
+    untracked, they do not count towards the collector's thresholds."""
+    common = {"forbid_unknown_fields": True, "gc": False, "module": __name__}
+    stored = msgspec.defstruct(
+        f"_Stored{form}", _STORED_FIELDS, tag="BlockStored", **options, **common
+    )
+    removed = msgspec.defstruct(
+        f"_Removed{form}", _REMOVED_FIELDS, tag="BlockRemoved", **options, **common
+    )
+    cleared = msgspec.defstruct(f"_Cleared{form}", [], tag="AllBlocksCleared", **options, **common)
+    batch = msgspec.defstruct(
+        f"_{form}Batch",
+        [
+            ("ts", float),
+            ("events", list[stored | removed | cleared]),
+            ("dp_rank", Rank | None, None),
+        ],
+        array_like=True,
+        **common,
+    )
+    return batch, stored, removed
 
 
-class _StoredA(_ArrayEvent, tag="BlockStored"):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[Long]
-    block_size: Long
-    lora_id: Long | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[ExtraKey] | None = None
-    group_idx: Long | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: Long | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[Long]] | None = None
-
-
-class _RemovedA(_ArrayEvent, tag="BlockRemoved"):
-    block_hashes: list[Hash]
-    medium: str | None = None
-    group_idx: Long | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class _ClearedA(_ArrayEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class _ArrayBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
-    ts: float
-    events: list[_StoredA | _RemovedA | _ClearedA]
-    dp_rank: Rank | None = None
-
-
-# --- map forms (vLLM >= 0.24): the tag is under "type" ---------------------------------
-
-
-class _MapEvent(msgspec.Struct, tag_field="type", tag=True, forbid_unknown_fields=True, gc=False):
-    pass
-
-
-class _StoredM(_MapEvent, tag="BlockStored"):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[Long]
-    block_size: Long
-    lora_id: Long | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[ExtraKey] | None = None
-    group_idx: Long | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: Long | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[Long]] | None = None
-
-
-class _RemovedM(_MapEvent, tag="BlockRemoved"):
-    block_hashes: list[Hash]
-    medium: str | None = None
-    group_idx: Long | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class _ClearedM(_MapEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class _MapBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
-    ts: float
-    events: list[_StoredM | _RemovedM | _ClearedM]
-    dp_rank: Rank | None = None
-
+# vLLM <= 0.23: events are arrays, the tag is element 0; >= 0.24: maps, the tag under "type".
+_ArrayBatch, _StoredA, _RemovedA = _batch_type("Array", array_like=True)
+_MapBatch, _StoredM, _RemovedM = _batch_type("Map", tag_field="type")
 
 _decode_arrays = msgspec.msgpack.Decoder(_ArrayBatch).decode
 _decode_maps = msgspec.msgpack.Decoder(_MapBatch).decode
