@@ -9,33 +9,19 @@ value by value and byte by byte, and hand-written hostile ones.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import msgpack
 import pytest
+from batch_util import hash_modes, paths, valid_payload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bridge.events import EventBatch
-from bridge.simulator.model import ModelConfig, PrefixCacheModel
 from bridge.vllm.decoder import DecodeError, _decode_general, decode_batch
-from bridge.vllm.encoder import encode_batch
 from bridge.vllm.releases import SUPPORTED_RELEASES, Release
 from bridge.vllm.typed_decode import decode_typed
 
-CONFIG = ModelConfig(
-    block_size=4,
-    capacity=24,
-    template_tokens=(8, 40),
-    suffix_tokens=(1, 12),
-    gen_tokens=(1, 12),
-    token_budget=64,
-    clear_prob=0.05,
-    cpu_offload_prob=0.3,  # offloading placeholders: block_size 0, no token ids
-    repeat_prob=0.2,
-    report_full_prob=0.1,
-)
 EDGE_INTS = [0, 1, -1, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, -(2**63), -(2**63) + 1]
 ODD_FLOATS = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e308, 5e-324]
 KEYS = ["type", "ts", "block_hashes", "block_size", "token_ids", "medium", "group_idx", "x"]
@@ -76,34 +62,9 @@ def assert_same(payload: bytes) -> EventBatch | None:
     return fast
 
 
-def hash_modes(release: Release) -> list[str]:
-    return ["int", "signed", "bytes"] if release.supports_bytes_hashes else ["int", "signed"]
-
-
-@cache
-def valid_payload(release: Release, mode: str, seed: int, steps: int) -> bytes:
-    model = PrefixCacheModel(release, mode, seed, CONFIG)
-    events: list[Any] = []
-    for _ in range(steps):
-        events = model.step() or events
-    dp_rank = seed % 4 if release.has_dp_rank else None
-    return encode_batch(EventBatch(1767225600.0 + seed, events, dp_rank), release, mode)
-
-
-def nodes(node: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
-    out = [(path, node)]
-    if type(node) is list:
-        for i, child in enumerate(node):
-            out += nodes(child, (*path, i))
-    elif type(node) is dict:
-        for key, child in node.items():
-            out += nodes(child, (*path, key))
-    return out
-
-
 def mutate(root: Any, data: st.DataObject) -> Any:
     """One change somewhere in an unpacked batch: a value replaced, added or dropped."""
-    path, node = data.draw(st.sampled_from(nodes(root)))
+    path, node = data.draw(st.sampled_from(paths(root)))
     op = data.draw(st.sampled_from(["replace", "replace", "add", "drop", "retype"]))
     if op == "add" and type(node) is list:
         node.insert(data.draw(st.integers(0, len(node))), data.draw(values))

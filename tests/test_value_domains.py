@@ -10,36 +10,22 @@ that fastavro agrees with and that decode back to the same events.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import msgpack
 import pytest
+from batch_util import Path, hash_modes, paths, valid_payload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bridge.events import EventBatch
 from bridge.markers import EventsLost
 from bridge.records import Envelope, RecordCodec
-from bridge.simulator.model import ModelConfig, PrefixCacheModel
 from bridge.vllm.decoder import DecodeError, decode_batch
-from bridge.vllm.encoder import encode_batch
 from bridge.vllm.releases import SUPPORTED_RELEASES, Release
 
 CODEC = RecordCodec()
 POD, MODEL, EPOCH, SEQ = "pod-a", "m", 3, 41
-CONFIG = ModelConfig(
-    block_size=4,
-    capacity=24,
-    template_tokens=(8, 40),
-    suffix_tokens=(1, 12),
-    gen_tokens=(1, 12),
-    token_budget=64,
-    clear_prob=0.05,
-    cpu_offload_prob=0.3,  # offloading placeholders: block_size 0, no token ids
-    repeat_prob=0.2,  # physical copies: a hash stored and removed more than once
-    report_full_prob=0.1,  # 0.26+: re-announced hits
-)
 EDGE_INTS = [-1, -(2**31) - 1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, -(2**63), 0]
 BAD_FLOATS = [float("nan"), float("inf"), float("-inf"), -0.0, 1e308]
 KEYS = ["type", "ts", "block_size", "token_ids", "group_idx", "lora_id", "medium", "x"]
@@ -56,36 +42,6 @@ values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(KEYS), inner),
     max_leaves=8,
 )
-
-
-def hash_modes(release: Release) -> list[str]:
-    return ["int", "signed", "bytes"] if release.supports_bytes_hashes else ["int", "signed"]
-
-
-@cache
-def valid_payload(release: Release, mode: str, seed: int, steps: int) -> bytes:
-    """A batch vLLM ``release`` could send: the cache model's events after ``steps`` steps."""
-    model = PrefixCacheModel(release, mode, seed, CONFIG)
-    events: list[Any] = []
-    for _ in range(steps):
-        events = model.step() or events
-    dp_rank = seed % 4 if release.has_dp_rank else None
-    return encode_batch(EventBatch(1767225600.0 + seed, events, dp_rank), release, mode)
-
-
-Path = tuple[Any, ...]
-
-
-def paths(node: Any, path: Path = ()) -> list[tuple[Path, Any]]:
-    """Every node of an unpacked msgpack value with its path (list indexes, map keys)."""
-    out = [(path, node)]
-    if type(node) is list:
-        for i, child in enumerate(node):
-            out += paths(child, (*path, i))
-    elif type(node) is dict:
-        for key, child in node.items():
-            out += paths(child, (*path, key))
-    return out
 
 
 def at(root: Any, path: Path) -> Any:
