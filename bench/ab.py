@@ -3,8 +3,8 @@
 Each round runs ``python -m bench`` once with this tree's code and once with the baseline's
 (a ``git worktree`` of REV, or a directory), alternating which goes first, against one shared
 broker; every run measures the ceiling (decode + encode) and the ``--ref-pods`` drain of the
-bridge and of the naive loop, so each tree's bridge is measured in the same run as its own
-ceiling and naive loop. The report gives, per figure, the median of the rounds for each tree
+bridge and of the naive loop (``--only ceiling``: the ceiling alone), so each tree's bridge is
+measured in the same run as its own ceiling and naive loop. The report gives, per figure, the median of the rounds for each tree
 and their ratio (this tree / baseline; for CPU per event, baseline / this tree, so that > 1
 always means this tree is faster). Each tree's own bench code drives it: the figures are
 those its ``python -m bench`` prints.
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -123,9 +123,10 @@ def render(rows: list[dict[str, Any]], base_desc: str, rounds: int) -> str:
     return "\n".join(lines)
 
 
-def _run_bench(tree: Path, args: argparse.Namespace, bootstrap: str, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "bench", "--only", "ceiling,naive", "--bootstrap", bootstrap]
-    cmd += ["--ref-pods", str(args.ref_pods), "--repeat", "1", "--out", str(out)]
+def _run_bench(tree: Path, args: argparse.Namespace, bootstrap: str | None, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "bench", "--only", args.only, "--out", str(out)]
+    if bootstrap:
+        cmd += ["--bootstrap", bootstrap, "--ref-pods", str(args.ref_pods), "--repeat", "1"]
     cmd += ["--results-dir", str(out.parent)]
     if args.quick:
         cmd.append("--quick")
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m bench.ab",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example: python -m bench.ab --baseline main~3 --rounds 3",
+        epilog="examples:\n  python -m bench.ab --baseline main~3            # ~10 min\n"
+        "  python -m bench.ab --baseline HEAD~5 --only ceiling --rounds 7   # ~3 min, no broker",
     )
     p.add_argument(
         "--baseline",
@@ -152,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=3, help="rounds, each running both trees (3)")
     p.add_argument("--quick", action="store_true", help="the bench's small sizes (~1 min a run)")
+    p.add_argument(
+        "--only",
+        choices=["ceiling,naive", "ceiling"],
+        default="ceiling,naive",
+        help="the bench parts of each run: the ceiling and the drains of the bridge and the "
+        "naive loop (default), or the ceiling alone (seconds a run, no broker)",
+    )
     p.add_argument("--ref-pods", type=int, default=16, help="pods of the drains (16)")
     p.add_argument("--bootstrap", help="use this broker (default: start a private one)")
     p.add_argument("--out", help="also write the JSON here")
@@ -165,7 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = datetime.now(UTC)
     runs: dict[str, list[dict[str, Any]]] = {"this": [], "baseline": []}
-    with baseline_tree(args.baseline) as (base, base_desc), broker(args.bootstrap) as b:
+    drains = args.only != "ceiling"
+    with (
+        baseline_tree(args.baseline) as (base, base_desc),
+        broker(args.bootstrap) if drains else nullcontext() as b,
+    ):
+        bootstrap = b.bootstrap if b is not None else None
         trees = {"this": ROOT, "baseline": base}
         work = Path(tempfile.mkdtemp(prefix="kvbridge-ab-runs-"))
         try:
@@ -174,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name in order:
                     t0 = time.monotonic()
                     print(f"round {i + 1}/{args.rounds}: {name} ...", flush=True, end=" ")
-                    doc = _run_bench(trees[name], args, b.bootstrap, work / f"{name}-{i}.json")
+                    doc = _run_bench(trees[name], args, bootstrap, work / f"{name}-{i}.json")
                     runs[name].append(doc)
                     print(f"{time.monotonic() - t0:.0f}s", flush=True)
         finally:
@@ -189,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             "this": _git("rev-parse", "--short=12", "HEAD"),
             "rounds": args.rounds,
             "quick": args.quick,
+            "parts": args.only,
             "loadavg_end": os.getloadavg(),
         },
         "rows": rows,
