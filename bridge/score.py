@@ -9,10 +9,11 @@ the stream is certain. Answered from :class:`bridge.state.CacheState`'s content 
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any
 
+from bridge.contentindex import StreamKey, Walk
 from bridge.contentkeys import MAX_TOKEN_ID, lora_of, pack_tokens, query_extras
 from bridge.state import CacheState
 
@@ -121,9 +122,10 @@ def parse_body(doc: Any, raw: bytes | None = None) -> ScoreRequest:
 
 def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
     """Per stream of ``req.model``: ``{pod, dp_rank, block_size, tokens: {tier: n},
-    any_tier_tokens, uncertain}``, most leading tokens first. Streams of ``req.pods`` are
-    listed even at 0; otherwise a stream with nothing of the prompt is listed only if it is
-    uncertain. :class:`ScoreError` for a pod in ``req.pods`` that the state does not know."""
+    any_tier_tokens, uncertain}``, most leading tokens first, certain before uncertain, then
+    by (pod, rank). Streams of ``req.pods`` are listed even at 0; otherwise a stream with
+    nothing of the prompt is listed only if it is uncertain. :class:`ScoreError` for a pod
+    in ``req.pods`` that the state does not know."""
     content = state.content
     if content is None:
         raise ScoreError("this state keeps no content index (CacheState(content=False))")
@@ -141,53 +143,120 @@ def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
         return query_extras(n_blocks, block_size, media, salt)
 
     lora = lora_of(req.lora_name, req.lora_id)
-    found = content.score(req.model, lora, req.token_ids, extras, only)
+    streams = state.streams
+    unc = {key for key, st in streams.items() if st.uncertain}
+    merged = req.lora_name is not None and req.lora_id is not None
+    walks = content.walk(req.model, lora, req.token_ids, extras, only)
+    if merged or len(walks) > 1:
+        return _ranked(state, req, walks, extras, only, unc)
+    rows: list[dict[str, Any]] = []
+    tiers: dict[StreamKey, dict[str, int]] = {}
+    if walks:
+        # One walk: its drops are the answer's groups of equal length, each in (pod, rank)
+        # order; longest first, and in each the certain streams before the uncertain.
+        bs, stream_drops, slot_drops = walks[0]
+        tiers = content.tiers_of(bs, slot_drops)
+        for n, mask in reversed(stream_drops):
+            if not n or not mask:
+                continue
+            t = n * bs
+            group = content.keys_of(mask)
+            for flag, part in _split(group, unc):
+                rows += [
+                    {
+                        "pod": key[0],
+                        "dp_rank": key[1],
+                        "block_size": bs,
+                        "tokens": tiers[key],
+                        "any_tier_tokens": t,
+                        "uncertain": flag,
+                    }
+                    for key in part
+                ]
+    rows += _zero_rows(state, req, tiers, unc)
+    return rows
+
+
+def _split(group: list[StreamKey], unc: set[StreamKey]) -> list[tuple[bool, list[StreamKey]]]:
+    if not unc or unc.isdisjoint(group):
+        return [(False, group)]
+    return [
+        (False, [k for k in group if k not in unc]),
+        (True, [k for k in group if k in unc]),
+    ]
+
+
+def _zero_rows(
+    state: CacheState, req: ScoreRequest, found: Container[StreamKey], unc: set[StreamKey]
+) -> list[dict[str, Any]]:
+    """The rows of the streams listed at 0: those of ``req.pods``, or the uncertain ones of
+    the model; certain first, then by (pod, rank)."""
+    if req.pods is not None:
+        wanted = set(req.pods)
+        keys = [k for k in state.streams if k[0] in wanted and k not in found]
+    else:
+        models = state.models
+        keys = [k for k in unc if k not in found and models.get(k[0]) == req.model]
+    content = state.content
+    assert content is not None
+    out = []
+    for key in sorted(keys, key=lambda k: (k in unc, k)):
+        cs = content.streams.get(key)
+        out.append(
+            {
+                "pod": key[0],
+                "dp_rank": key[1],
+                "block_size": cs.block_size if cs else 0,
+                "tokens": {},
+                "any_tier_tokens": 0,
+                "uncertain": key in unc,
+            }
+        )
+    return out
+
+
+def _ranked(
+    state: CacheState,
+    req: ScoreRequest,
+    walks: list[Walk],
+    extras: Any,
+    only: tuple[int, int] | None,
+    unc: set[StreamKey],
+) -> list[dict[str, Any]]:
+    """The answer merged from several walks (block sizes; the LoRA's name and its id), each
+    stream's longest, ranked by a sort."""
+    content = state.content
+    assert content is not None
+    found: dict[StreamKey, list] = {}
+    runs = [walks]
     if req.lora_name is not None and req.lora_id is not None:
         # Releases before 0.14 name the adapter by id only: a fleet can hold both kinds.
-        for key, sc in content.score(req.model, req.lora_id, req.token_ids, extras, only).items():
-            if key not in found or found[key][1] < sc[1]:
-                found[key] = sc
-    # Rank: most leading tokens, certain before uncertain, then by (pod, rank). The index
-    # lists each group of equal length in (pod, rank) order, so a stable sort on the first
-    # two is enough -- unless two walks (block sizes, LoRA name and id) were merged.
-    streams, models = state.streams, state.models
-    order = []
-    for key, (bs, n_any, tiers) in found.items():
-        st = streams.get(key)
-        unc = st is not None and st.uncertain
-        order.append((-2 * n_any + unc, key, bs, n_any, unc, tiers))
-    extra = []
-    for key, st in streams.items():
-        if key in found:
-            continue
-        if req.pods is not None:
-            if key[0] not in req.pods:
-                continue
-        elif not st.uncertain or models.get(key[0]) != req.model:
-            continue
-        cs = content.streams.get(key)
-        extra.append((st.uncertain, key, cs.block_size if cs else 0, 0, st.uncertain, {}))
-    order += sorted(extra)
-    merged = req.lora_name is not None and req.lora_id is not None
-    if merged or len(content.sizes.get(req.model, ())) > 1:
-        order.sort(key=_exact)
-    else:
-        order.sort(key=_first)
-    return [
+        runs.append(content.walk(req.model, req.lora_id, req.token_ids, extras, only))
+    for run in runs:
+        for bs, stream_drops, slot_drops in run:
+            tiers = content.tiers_of(bs, slot_drops)
+            for n, mask in stream_drops:
+                if n and mask:
+                    t = n * bs
+                    for key in content.keys_of(mask):
+                        entry = found.get(key)
+                        if entry is None or entry[1] < t:
+                            found[key] = [bs, t, tiers[key]]
+    order = sorted(
+        (
+            (-2 * n_any + (key in unc), key, bs, n_any, tiers)
+            for key, (bs, n_any, tiers) in found.items()
+        )
+    )
+    rows = [
         {
             "pod": key[0],
             "dp_rank": key[1],
             "block_size": bs,
-            "tokens": dict(sorted(tiers.items())) if len(tiers) > 1 else tiers,
+            "tokens": tiers,
             "any_tier_tokens": n_any,
-            "uncertain": bool(unc),
+            "uncertain": key in unc,
         }
-        for _, key, bs, n_any, unc, tiers in order
+        for _, key, bs, n_any, tiers in order
     ]
-
-
-_first = itemgetter(0)
-
-
-def _exact(t: tuple) -> tuple:
-    return (t[0], t[1])
+    return rows + _zero_rows(state, req, found, unc)
