@@ -541,18 +541,25 @@ class ContentIndex:
         (tier by tier over the drops' masks: O(drops x tiers + matching slots))."""
         out: dict[StreamKey, dict[str, int]] = {}
         get = out.get
+        first = True  # no stream has an entry yet: no lookups needed
         for name, in_tier in self._tier_masks():
+            hit = False
             for n, mask in slot_drops:
                 m = mask & in_tier
                 if not n or not m:
                     continue
                 t = n * block_size
+                hit = True
+                if first:  # a stream has one slot per tier name
+                    out.update({owner: {name: t} for owner in self._owners_of(m)})
+                    continue
                 for owner in self._owners_of(m):
                     d = get(owner)
                     if d is None:
                         out[owner] = {name: t}
                     else:
                         d[name] = t
+            first = first and not hit
         return out
 
     def score(

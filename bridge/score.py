@@ -164,14 +164,15 @@ def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
             for flag, part in _split(group, unc):
                 rows += [
                     {
-                        "pod": key[0],
-                        "dp_rank": key[1],
+                        "pod": pod,
+                        "dp_rank": rank,
                         "block_size": bs,
                         "tokens": tiers[key],
                         "any_tier_tokens": t,
                         "uncertain": flag,
                     }
                     for key in part
+                    for pod, rank in (key,)  # unpacking: cheaper than two subscripts
                 ]
     rows += _zero_rows(state, req, tiers, unc)
     return rows
