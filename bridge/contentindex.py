@@ -131,6 +131,8 @@ def _bit_list(m: int) -> list[int]:
     """The set bits of ``m`` (>= 0), via its binary text for dense masks."""
     if not m & (m - 1):
         return [m.bit_length() - 1] if m else []
+    if m.bit_count() <= 16:  # sparse: bit by bit, highest first
+        return sorted(_bits(m), reverse=True)
     text = bin(m)
     top = len(text) - 3
     return [top - i for i, c in enumerate(text[2:]) if c == "1"]

@@ -19,7 +19,7 @@ from bridge.state import CacheState
 
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_MEDIA = 4096
-FIELDS = ("model", "lora_name", "lora_id", "token_ids", "media", "cache_salt", "pods")
+FIELDS = ("model", "lora_name", "lora_id", "token_ids", "media", "cache_salt", "pods", "limit")
 
 
 class ScoreError(ValueError):
@@ -36,6 +36,7 @@ class ScoreRequest:
     media: tuple[tuple[str, int, int], ...] = ()
     cache_salt: str | None = None
     pods: tuple[str, ...] | None = None
+    limit: int | None = None  # the first rows of the answer only
 
 
 def _int(v: Any) -> bool:
@@ -50,6 +51,7 @@ def make_request(
     media: Any = None,
     cache_salt: Any = None,
     pods: Any = None,
+    limit: Any = None,
 ) -> ScoreRequest:
     """A validated :class:`ScoreRequest`; :class:`ScoreError` says what is wrong."""
     if not isinstance(model, str) or not model:
@@ -98,8 +100,18 @@ def make_request(
         if not isinstance(pods, list) or not all(isinstance(p, str) and p for p in pods):
             raise ScoreError('"pods" must be a list of pod names, or null for every pod')
         pod_names = tuple(dict.fromkeys(pods))
+    if limit is not None and (not _int(limit) or limit < 1):
+        raise ScoreError('"limit" must be a positive int (the most rows to answer) or null')
     return ScoreRequest(
-        model, packed, len(token_ids), lora_name, lora_id, tuple(items), cache_salt, pod_names
+        model,
+        packed,
+        len(token_ids),
+        lora_name,
+        lora_id,
+        tuple(items),
+        cache_salt,
+        pod_names,
+        limit,
     )
 
 
@@ -125,7 +137,7 @@ def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
     any_tier_tokens, uncertain}``, most leading tokens first, certain before uncertain, then
     by (pod, rank). Streams of ``req.pods`` are listed even at 0; otherwise a stream with
     nothing of the prompt is listed only if it is uncertain. :class:`ScoreError` for a pod
-    in ``req.pods`` that the state does not know."""
+    in ``req.pods`` that the state does not know. ``req.limit``: the first rows only."""
     content = state.content
     if content is None:
         raise ScoreError("this state keeps no content index (CacheState(content=False))")
@@ -147,35 +159,51 @@ def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
     unc = {key for key, st in streams.items() if st.uncertain}
     merged = req.lora_name is not None and req.lora_id is not None
     walks = content.walk(req.model, lora, req.token_ids, extras, only)
+    limit = req.limit
     if merged or len(walks) > 1:
-        return _ranked(state, req, walks, extras, only, unc)
+        rows = _ranked(state, req, walks, extras, only, unc)
+        return rows if limit is None else rows[:limit]
     rows: list[dict[str, Any]] = []
     tiers: dict[StreamKey, dict[str, int]] = {}
     if walks:
         # One walk: its drops are the answer's groups of equal length, each in (pod, rank)
         # order; longest first, and in each the certain streams before the uncertain.
         bs, stream_drops, slot_drops = walks[0]
-        tiers = content.tiers_of(bs, slot_drops)
+        groups: list[tuple[int, bool, list[StreamKey]]] = []
+        left = limit
         for n, mask in reversed(stream_drops):
+            if left is not None and left <= 0:
+                break
             if not n or not mask:
                 continue
-            t = n * bs
-            group = content.keys_of(mask)
-            for flag, part in _split(group, unc):
-                rows += [
-                    {
-                        "pod": pod,
-                        "dp_rank": rank,
-                        "block_size": bs,
-                        "tokens": tiers[key],
-                        "any_tier_tokens": t,
-                        "uncertain": flag,
-                    }
-                    for key in part
-                    for pod, rank in (key,)  # unpacking: cheaper than two subscripts
-                ]
+            for flag, part in _split(content.keys_of(mask), unc):
+                if left is not None:
+                    if left <= 0:
+                        break
+                    part = part[:left]
+                    left -= len(part)
+                groups.append((n * bs, flag, part))
+        if limit is not None:  # the tiers of the streams answered only
+            slots = content.stream_mask(k for _, _, part in groups for k in part)[0]
+            slot_drops = [(n, m & slots) for n, m in slot_drops]
+        tiers = content.tiers_of(bs, slot_drops)
+        for t, flag, part in groups:
+            rows += [
+                {
+                    "pod": pod,
+                    "dp_rank": rank,
+                    "block_size": bs,
+                    "tokens": tiers[key],
+                    "any_tier_tokens": t,
+                    "uncertain": flag,
+                }
+                for key in part
+                for pod, rank in (key,)  # unpacking: cheaper than two subscripts
+            ]
+    if limit is not None and len(rows) >= limit:
+        return rows
     rows += _zero_rows(state, req, tiers, unc)
-    return rows
+    return rows if limit is None else rows[:limit]
 
 
 def _split(group: list[StreamKey], unc: set[StreamKey]) -> list[tuple[bool, list[StreamKey]]]:
