@@ -7,8 +7,8 @@ handler threads answer from it under the same lock:
 - ``GET /pods``: per (pod, rank): blocks per medium, epoch, last seq, uncertain, staleness
 - ``GET /prefix?hashes=1,2,3[&medium=GPU]``, ``POST /prefix`` ``{"hashes": [...]}``: the
   longest cached prefix per (pod, rank), ranked
-- ``POST /score`` ``{"model", "token_ids", "lora_name"?, "media"?, "cache_salt"?, "pods"?}``:
-  per (pod, rank), the prompt's leading tokens resident per tier, by content
+- ``POST /score`` ``{"model", "token_ids", "lora_name"?, "media"?, "cache_salt"?, "pods"?,
+  "limit"?}``: per (pod, rank), the prompt's leading tokens resident per tier, by content
   (:mod:`bridge.score`; no engine hash needed)
 - ``GET /healthz`` (the consumer runs; with the count and first partition:offset of records
   skipped as undecodable), ``GET /readyz`` (caught up with the end of kv-events seen at start)
