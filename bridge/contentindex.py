@@ -26,10 +26,9 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from hashlib import blake2b
 
 from bridge.contentkeys import (
-    KEY_BYTES,
+    KEY_HASH,
     chain,
     lora_of,
     pack_tokens,
@@ -41,7 +40,6 @@ from bridge.events import BlockStored
 StreamKey = tuple[str, int]
 Tier = tuple[str | None, int | None]
 Walk = tuple[int, list[tuple[int, int]], list[tuple[int, int]]]
-_KEY_HASH = blake2b(digest_size=KEY_BYTES)  # copied per key: cheaper than a new blake2b(...)
 RECENT_KEYS = 1024  # per stream: keys of hashes that left every tier, kept for placeholders
 SKIP_REASONS = ("misaligned", "token_domain", "lookahead", "unchained", "unknown_hash")
 
@@ -482,7 +480,7 @@ class ContentIndex:
         n_tokens = len(tokens) // 4
         holders_get = self.slot_holders.get
         streams_of = self.streams_of
-        new_hash = _KEY_HASH.copy
+        new_hash = KEY_HASH.copy
         for bs in sorted(sizes):
             nb = n_tokens // bs
             if not nb:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.score_before import score_before
-from bridge.contentkeys import chain, lora_of, query_extras
+from bridge.contentkeys import chain, lora_of, pack_tokens, query_extras, root_key
 from bridge.events import BlockRemoved, BlockStored
 from bridge.markers import EventsLost
 from bridge.records import Envelope, Record
@@ -190,3 +190,18 @@ def test_bad_limit(limit):
 def test_limit_null_is_no_limit():
     assert parse_body({"model": MODEL, "token_ids": [1], "limit": None}).limit is None
     assert parse_body({"model": MODEL, "token_ids": [1], "limit": 3}).limit == 3
+
+
+def test_content_keys_are_unchanged():
+    """Pinned: the keys ingest and the kv-events log define (BLAKE2b-16 of parent key +
+    tokens little-endian + extra), whatever way the code feeds the hash."""
+    root = root_key("m", None, 4)
+    keys = chain(root, pack_tokens(list(range(8))), 4, 2, [b"", b"x"])
+    assert root.hex() == "a862052ecd10e2ca7e7228fb507206d7"
+    assert [k.hex() for k in keys] == [
+        "5666dcf0e369f8375f610a7c83030968",
+        "3b9bf9cb25926fe14fd100845a3ed756",
+    ]
+    plain = blake2b(root + pack_tokens([0, 1, 2, 3]), digest_size=16).digest()
+    assert keys[0] == plain
+    assert keys[1] == blake2b(plain + pack_tokens([4, 5, 6, 7]) + b"x", digest_size=16).digest()
