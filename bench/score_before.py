@@ -8,8 +8,8 @@ from hashlib import blake2b
 from operator import itemgetter
 from typing import Any
 
-from bridge.contentindex import KEY_BYTES, ContentIndex, StreamKey
-from bridge.contentkeys import lora_of, query_extras
+from bridge.contentindex import ContentIndex, StreamKey
+from bridge.contentkeys import KEY_BYTES, lora_of, query_extras
 from bridge.score import ScoreError, ScoreRequest
 from bridge.state import CacheState
 
