@@ -205,3 +205,10 @@ def test_content_keys_are_unchanged():
     plain = blake2b(root + pack_tokens([0, 1, 2, 3]), digest_size=16).digest()
     assert keys[0] == plain
     assert keys[1] == blake2b(plain + pack_tokens([4, 5, 6, 7]) + b"x", digest_size=16).digest()
+
+
+@pytest.mark.parametrize("text", ["[1, true]", "[1,false ]", '{"token_ids": [true]}'])
+def test_bools_among_token_ids_are_found_in_the_raw_body(text):
+    body = '{"model": "m", "token_ids": ' + text.split(":")[-1].rstrip("}") + "}"
+    with pytest.raises(ScoreError, match="token ids are ints"):
+        parse_body(json.loads(body), body.encode())
