@@ -44,13 +44,17 @@ from hashlib import blake2b
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from bench.ceiling import run_ceiling
+from bench.score_before import score_before
 from bench.workload import WorkloadConfig, generate
 from bridge.events import BlockStored
 from bridge.markers import StreamStarted
 from bridge.records import Envelope, Record
 from bridge.score import make_request, parse_body, score
 from bridge.state import CacheState
+from bridge.stateserve import _staleness, parse_score_body, score_view
 from bridge.vllm.decoder import decode_batch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -180,40 +184,89 @@ def pct(values: list[int], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] / 1000.0  # ns -> us
 
 
-def time_queries(state: CacheState, qs: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
-    lib: dict[str, list[int]] = {}
-    server: dict[str, list[int]] = {}
+def _srv_before(state: CacheState, last_ts: dict, body: bytes, now: int) -> bytes:
+    """What POST /score did before the p99 round (without the socket)."""
+    req = parse_body(json.loads(body), body)
+    rows = score_before(state, req)
+    for r in rows:
+        r["staleness_s"] = _staleness(last_ts, (r["pod"], r["dp_rank"]), now)
+    doc = {"model": req.model, "query_tokens": req.n_tokens, "pods": rows, "ready": True}
+    return json.dumps(doc).encode()
+
+
+def _srv(state: CacheState, last_ts: dict, body: bytes, now: int) -> bytes:
+    """What POST /score does (without the socket): parse, score, staleness, encode."""
+    doc = score_view(state, last_ts, parse_score_body(body), now)
+    doc["ready"] = True
+    return msgspec.json.encode(doc)
+
+
+def _lib(fn: Any, state: CacheState, toks: list[int], limit: int | None) -> Any:
+    return fn(state, make_request(MODEL, toks, limit=limit))
+
+
+VARIANTS = ("lib", "srv", "lib_before", "srv_before", "lib_limit", "srv_limit")
+
+
+def time_queries(
+    state: CacheState, qs: list[tuple[str, tuple[int, ...]]], limit: int = 8
+) -> dict[str, Any]:
+    """Each query timed six ways, interleaved (the order rotating query by query): the
+    library call and the server's work, now, before the p99 round, and with ``limit``."""
+    times: dict[str, dict[str, list[int]]] = {v: {} for v in VARIANTS}
     rows: dict[str, list[int]] = {}
     tokens: dict[str, list[int]] = {}
+    last_ts = dict.fromkeys(state.streams, 0)  # as a live server: each stream's last record
+    now = 1000
     clock = time.perf_counter_ns
-    for kind, tup in qs:
+    for q, (kind, tup) in enumerate(qs):
         toks = list(tup)
         body = json.dumps({"model": MODEL, "token_ids": toks}).encode()
-        t0 = clock()
-        got = score(state, make_request(MODEL, toks))
-        t1 = clock()
-        doc = {"pods": score(state, parse_body(json.loads(body), body))}
-        json.dumps(doc)
-        t2 = clock()
-        lib.setdefault(kind, []).append(t1 - t0)
-        server.setdefault(kind, []).append(t2 - t1)
+        lbody = json.dumps({"model": MODEL, "token_ids": toks, "limit": limit}).encode()
+        runs: dict[str, tuple[Any, ...]] = {
+            "lib": (_lib, score, state, toks, None),
+            "srv": (_srv, state, last_ts, body, now),
+            "lib_before": (_lib, score_before, state, toks, None),
+            "srv_before": (_srv_before, state, last_ts, body, now),
+            "lib_limit": (_lib, score, state, toks, limit),
+            "srv_limit": (_srv, state, last_ts, lbody, now),
+        }
+        order = VARIANTS[q % 6 :] + VARIANTS[: q % 6]
+        got: Any = None
+        for v in order:
+            fn, *args = runs[v]
+            t0 = clock()
+            r = fn(*args)
+            t1 = clock()
+            times[v].setdefault(kind, []).append(t1 - t0)
+            if v == "lib":
+                got = r
         rows.setdefault(kind, []).append(len(got))
         tokens.setdefault(kind, []).append(max((r["any_tier_tokens"] for r in got), default=0))
-    out: dict[str, Any] = {}
+
+    def values(d: dict[str, list[int]], kind: str) -> list[int]:
+        return [v for vs in d.values() for v in vs] if kind == "all" else d[kind]
+
+    out: dict[str, Any] = {"limit": limit}
     for kind in ("turn", "new", "cold", "all"):
-        lv = [v for k, vs in lib.items() for v in vs] if kind == "all" else lib[kind]
-        sv = [v for k, vs in server.items() for v in vs] if kind == "all" else server[kind]
-        rv = [v for k, vs in rows.items() for v in vs] if kind == "all" else rows[kind]
-        tv = [v for k, vs in tokens.items() for v in vs] if kind == "all" else tokens[kind]
+        lv, sv = values(times["lib"], kind), values(times["srv"], kind)
         out[kind] = {
             "queries": len(lv),
             "lib_p50_us": pct(lv, 0.5),
             "lib_p99_us": pct(lv, 0.99),
             "server_p50_us": pct(sv, 0.5),
             "server_p99_us": pct(sv, 0.99),
-            "rows_mean": round(statistics.mean(rv), 1),
-            "best_tokens_mean": round(statistics.mean(tv)),
+            "rows_mean": round(statistics.mean(values(rows, kind)), 1),
+            "best_tokens_mean": round(statistics.mean(values(tokens, kind))),
         }
+        for tag in ("before", "limit"):
+            lv, sv = values(times[f"lib_{tag}"], kind), values(times[f"srv_{tag}"], kind)
+            out[kind][tag] = {
+                "lib_p50_us": pct(lv, 0.5),
+                "lib_p99_us": pct(lv, 0.99),
+                "server_p50_us": pct(sv, 0.5),
+                "server_p99_us": pct(sv, 0.99),
+            }
     return out
 
 
@@ -289,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-pods", type=int, default=64, help="pods of the memory fleet (64)")
     p.add_argument("--ingest-batches", type=int, default=3000, help="batches per pod (16 pods)")
     p.add_argument("--repeats", type=int, default=3, help="ingest repeats, interleaved (3)")
+    p.add_argument("--limit", type=int, default=8, help='the "limit" of the limited runs (8)')
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results-dir", default=str(RESULTS_DIR), help="where the JSON goes")
     p.add_argument("--out", metavar="FILE", help="also write the JSON results here")
@@ -324,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     gc.freeze()
     print(f"timing {args.queries} queries ...", file=sys.stderr)
-    out["queries"] = time_queries(state, queries(fleet, args.queries))
+    out["load_average"] = _load()
+    out["queries"] = time_queries(state, queries(fleet, args.queries), args.limit)
+    out["load_average_after"] = _load()
     del state
     gc.unfreeze()
     gc.collect()
@@ -360,6 +416,30 @@ def render(r: dict[str, Any]) -> str:
             f"{q['server_p50_us']:>11} {q['server_p99_us']:>11} {q['rows_mean']:>6} "
             f"{q['best_tokens_mean']:>12,}"
         )
+    for tag, title in (("before", "before the p99 round"), ("limit", "with limit")):
+        lim = f" {r['queries']['limit']}" if tag == "limit" else ""
+        lines += ["", f"{title}{lim} (same queries, interleaved):"]
+        for kind in ("turn", "new", "cold", "all"):
+            q = r["queries"][kind][tag]
+            lines.append(
+                f"{kind:<6} {'':>5} {q['lib_p50_us']:>11} {q['lib_p99_us']:>11} "
+                f"{q['server_p50_us']:>11} {q['server_p99_us']:>11}"
+            )
+    p99 = r["queries"]["all"]
+    met = [
+        name
+        for name, q in (("lib", p99), ("lib with limit", p99["limit"]))
+        if q["lib_p99_us"] <= 1000
+    ] + [
+        name
+        for name, q in (("srv", p99), ("srv with limit", p99["limit"]))
+        if q["server_p99_us"] <= 1000
+    ]
+    lines += [
+        "",
+        f"p99 <= 1 ms (all queries): {', '.join(met) if met else 'none'}; load average "
+        f"{r.get('load_average')} -> {r.get('load_average_after')}",
+    ]
     lines += [
         "",
         f"memory/block ({m['pods']} pods, {m['resident_blocks']:,} blocks, tracemalloc): "
@@ -372,6 +452,12 @@ def render(r: dict[str, Any]) -> str:
         f"fleet build: {f['apply_score_events_per_s']:,} stores/s of up to {RUN} blocks",
     ]
     return "\n".join(lines)
+
+
+def _load() -> list[float]:
+    import os
+
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def _cpus() -> int:

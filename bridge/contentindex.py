@@ -26,10 +26,9 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from hashlib import blake2b
 
 from bridge.contentkeys import (
-    KEY_BYTES,
+    KEY_HASH,
     chain,
     lora_of,
     pack_tokens,
@@ -40,6 +39,7 @@ from bridge.events import BlockStored
 
 StreamKey = tuple[str, int]
 Tier = tuple[str | None, int | None]
+Walk = tuple[int, list[tuple[int, int]], list[tuple[int, int]]]
 RECENT_KEYS = 1024  # per stream: keys of hashes that left every tier, kept for placeholders
 SKIP_REASONS = ("misaligned", "token_domain", "lookahead", "unchained", "unknown_hash")
 
@@ -129,6 +129,8 @@ def _bit_list(m: int) -> list[int]:
     """The set bits of ``m`` (>= 0), via its binary text for dense masks."""
     if not m & (m - 1):
         return [m.bit_length() - 1] if m else []
+    if m.bit_count() <= 16:  # sparse: bit by bit, highest first
+        return sorted(_bits(m), reverse=True)
     text = bin(m)
     top = len(text) - 3
     return [top - i for i, c in enumerate(text[2:]) if c == "1"]
@@ -142,6 +144,8 @@ class ContentIndex:
         # memos: stream mask -> stream keys; slot mask -> (owner key, tier name) per slot
         self._stream_keys: dict[int, list[StreamKey]] = {}
         self._slot_names: dict[int, list[tuple[StreamKey, str]]] = {}
+        self._slot_owners: dict[int, list[StreamKey]] = {}  # memo: slot mask -> owner keys
+        self._tiers: list[tuple[str, int]] | None = None  # memo: (tier name, its slot bits)
         self.streams: dict[StreamKey, _Stream] = {}
         self._slot_bits: list[_Slot | None] = []
         self._stream_bits: list[_Stream | None] = []
@@ -180,6 +184,7 @@ class ContentIndex:
         if slot is None:
             bit = self._free_slot_bits.pop() if self._free_slot_bits else len(self._slot_bits)
             slot = s.slots[tier] = _Slot(bit, tier, s.key, tier_name(tier))
+            self._tiers = None
             if bit == len(self._slot_bits):
                 self._slot_bits.append(slot)
                 self._owner_bit.append(s.bit)
@@ -385,6 +390,8 @@ class ContentIndex:
         self._streams_of.clear()
         self._stream_keys.clear()
         self._slot_names.clear()
+        self._slot_owners.clear()
+        self._tiers = None
 
     def _keys_of(self, streams: int) -> list[StreamKey]:
         r = self._stream_keys.get(streams)
@@ -394,6 +401,27 @@ class ContentIndex:
             if len(self._stream_keys) >= 4096:
                 self._stream_keys.clear()
             self._stream_keys[streams] = r
+        return r
+
+    def _owners_of(self, slots: int) -> list[StreamKey]:
+        r = self._slot_owners.get(slots)
+        if r is None:
+            bits = self._slot_bits
+            r = [bits[b].owner for b in _bit_list(slots)]  # type: ignore[union-attr]
+            if len(self._slot_owners) >= 4096:
+                self._slot_owners.clear()
+            self._slot_owners[slots] = r
+        return r
+
+    def _tier_masks(self) -> list[tuple[str, int]]:
+        """(tier name, the bits of the slots of that name), by name (memoized)."""
+        r = self._tiers
+        if r is None:
+            masks: dict[str, int] = {}
+            for slot in self._slot_bits:
+                if slot is not None:
+                    masks[slot.name] = masks.get(slot.name, 0) | (1 << slot.bit)
+            r = self._tiers = sorted(masks.items())
         return r
 
     def _names_of(self, slots: int) -> list[tuple[StreamKey, str]]:
@@ -431,25 +459,28 @@ class ContentIndex:
                 slots |= 1 << slot.bit
         return slots, streams
 
-    def score(
+    def walk(
         self,
         model: str,
         lora: str | int | None,
         tokens: bytes,
         extras_for: object = None,
         only: tuple[int, int] | None = None,
-    ) -> dict[StreamKey, list]:
-        """Per stream with a leading block of the prompt (packed ``tokens``):
-        ``[block_size, leading tokens in any tier, {tier name: leading tokens}]``.
-        ``extras_for(n_blocks, block_size)``: the blocks' extra parts (None: none); ``only``:
-        a :meth:`stream_mask` to limit the answer to."""
-        out: dict[StreamKey, list] = {}
+    ) -> list[Walk]:
+        """Per block size of ``model``'s fleet (ascending) that the prompt (packed ``tokens``)
+        fills a block of: ``(block size, stream drops, slot drops)``, each drop
+        ``(n, mask)``: the streams (slots) holding exactly the first ``n`` blocks, ascending
+        ``n`` (distinct), the last one the holders of the whole prompt or of the last block
+        reached. ``extras_for(n_blocks, block_size)``: the blocks' extra parts (None: none);
+        ``only``: a :meth:`stream_mask` to limit the answer to."""
+        out: list[Walk] = []
         sizes = self.sizes.get(model)
         if not sizes:
             return out
         n_tokens = len(tokens) // 4
         holders_get = self.slot_holders.get
         streams_of = self.streams_of
+        new_hash = KEY_HASH.copy
         for bs in sorted(sizes):
             nb = n_tokens // bs
             if not nb:
@@ -463,10 +494,13 @@ class ContentIndex:
             stream_drops: list[tuple[int, int]] = []
             i = 0
             for i in range(nb):
-                data = k + tokens[i * w : i * w + w]
+                # blake2b(parent + tokens + extra): fed in parts, the same digest
+                h = new_hash()
+                h.update(k)
+                h.update(tokens[i * w : i * w + w])
                 if extras is not None:
-                    data += extras[i]
-                k = blake2b(data, digest_size=KEY_BYTES).digest()
+                    h.update(extras[i])
+                k = h.digest()
                 m = holders_get(k, 0)
                 if m == last:  # the same holders as the block before: nobody dropped out
                     continue
@@ -493,19 +527,60 @@ class ContentIndex:
                 i = nb
             slot_drops.append((i, alive))
             stream_drops.append((i, salive))
-            found = out if not out else {}  # a second block size: merged below
+            out.append((bs, stream_drops, slot_drops))
+        return out
+
+    def keys_of(self, streams: int) -> list[StreamKey]:
+        """The keys of the streams of a stream mask, sorted (memoized)."""
+        return self._keys_of(streams)
+
+    def tiers_of(
+        self, block_size: int, slot_drops: list[tuple[int, int]]
+    ) -> dict[StreamKey, dict[str, int]]:
+        """Per stream of a walk's slot drops: ``{tier name: leading tokens}``, in name order
+        (tier by tier over the drops' masks: O(drops x tiers + matching slots))."""
+        out: dict[StreamKey, dict[str, int]] = {}
+        get = out.get
+        first = True  # no stream has an entry yet: no lookups needed
+        for name, in_tier in self._tier_masks():
+            hit = False
+            for n, mask in slot_drops:
+                m = mask & in_tier
+                if not n or not m:
+                    continue
+                t = n * block_size
+                hit = True
+                if first:  # a stream has one slot per tier name
+                    out.update({owner: {name: t} for owner in self._owners_of(m)})
+                    continue
+                for owner in self._owners_of(m):
+                    d = get(owner)
+                    if d is None:
+                        out[owner] = {name: t}
+                    else:
+                        d[name] = t
+            first = first and not hit
+        return out
+
+    def score(
+        self,
+        model: str,
+        lora: str | int | None,
+        tokens: bytes,
+        extras_for: object = None,
+        only: tuple[int, int] | None = None,
+    ) -> dict[StreamKey, list]:
+        """Per stream with a leading block of the prompt (packed ``tokens``):
+        ``[block_size, leading tokens in any tier, {tier name: leading tokens}]`` (the
+        longest over the block sizes); arguments as :meth:`walk`'s."""
+        out: dict[StreamKey, list] = {}
+        for bs, stream_drops, slot_drops in self.walk(model, lora, tokens, extras_for, only):
+            tiers = self.tiers_of(bs, slot_drops)
             for n, mask in stream_drops:
                 if n and mask:
                     t = n * bs
                     for key in self._keys_of(mask):
-                        found[key] = [bs, t, {}]
-            for n, mask in slot_drops:
-                if n and mask:
-                    t = n * bs
-                    for key, name in self._names_of(mask):
-                        found[key][2][name] = t
-            if found is not out:  # a stream with groups of two sizes: its longer answer
-                for key, entry in found.items():
-                    if key not in out or out[key][1] < entry[1]:
-                        out[key] = entry
+                        entry = out.get(key)
+                        if entry is None or entry[1] < t:
+                            out[key] = [bs, t, tiers[key]]
         return out

@@ -34,6 +34,7 @@ KEY_BYTES = 16
 _ROOT_TAG = b"kvbridge-content-v1\0"
 _SWAP = sys.byteorder != "little"
 MAX_TOKEN_ID = (1 << 32) - 1
+KEY_HASH = blake2b(digest_size=KEY_BYTES)  # copied per key: cheaper than a new blake2b(...)
 
 
 def root_key(model: str, lora: str | int | None, block_size: int) -> bytes:
@@ -107,12 +108,13 @@ def chain(
     w = 4 * block_size
     out = []
     k = parent
-    if extras is None:
-        for i in range(n_blocks):
-            k = blake2b(k + tokens[i * w : i * w + w], digest_size=KEY_BYTES).digest()
-            out.append(k)
-    else:
-        for i in range(n_blocks):
-            k = blake2b(k + tokens[i * w : i * w + w] + extras[i], digest_size=KEY_BYTES).digest()
-            out.append(k)
+    new_hash = KEY_HASH.copy  # blake2b(k + tokens + extra), fed in parts: the same digest
+    for i in range(n_blocks):
+        h = new_hash()
+        h.update(k)
+        h.update(tokens[i * w : i * w + w])
+        if extras is not None:
+            h.update(extras[i])
+        k = h.digest()
+        out.append(k)
     return out

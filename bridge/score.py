@@ -9,16 +9,17 @@ the stream is certain. Answered from :class:`bridge.state.CacheState`'s content 
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any
 
+from bridge.contentindex import StreamKey, Walk
 from bridge.contentkeys import MAX_TOKEN_ID, lora_of, pack_tokens, query_extras
 from bridge.state import CacheState
 
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_MEDIA = 4096
-FIELDS = ("model", "lora_name", "lora_id", "token_ids", "media", "cache_salt", "pods")
+FIELDS = ("model", "lora_name", "lora_id", "token_ids", "media", "cache_salt", "pods", "limit")
 
 
 class ScoreError(ValueError):
@@ -35,6 +36,7 @@ class ScoreRequest:
     media: tuple[tuple[str, int, int], ...] = ()
     cache_salt: str | None = None
     pods: tuple[str, ...] | None = None
+    limit: int | None = None  # the first rows of the answer only
 
 
 def _int(v: Any) -> bool:
@@ -49,6 +51,7 @@ def make_request(
     media: Any = None,
     cache_salt: Any = None,
     pods: Any = None,
+    limit: Any = None,
 ) -> ScoreRequest:
     """A validated :class:`ScoreRequest`; :class:`ScoreError` says what is wrong."""
     if not isinstance(model, str) or not model:
@@ -97,8 +100,18 @@ def make_request(
         if not isinstance(pods, list) or not all(isinstance(p, str) and p for p in pods):
             raise ScoreError('"pods" must be a list of pod names, or null for every pod')
         pod_names = tuple(dict.fromkeys(pods))
+    if limit is not None and (not _int(limit) or limit < 1):
+        raise ScoreError('"limit" must be a positive int (the most rows to answer) or null')
     return ScoreRequest(
-        model, packed, len(token_ids), lora_name, lora_id, tuple(items), cache_salt, pod_names
+        model,
+        packed,
+        len(token_ids),
+        lora_name,
+        lora_id,
+        tuple(items),
+        cache_salt,
+        pod_names,
+        limit,
     )
 
 
@@ -112,18 +125,27 @@ def parse_body(doc: Any, raw: bytes | None = None) -> ScoreRequest:
     if unknown:
         raise ScoreError(f"unknown field(s) {sorted(unknown)}; accepted: {', '.join(FIELDS)}")
     tokens = doc.get("token_ids")
-    if isinstance(tokens, list) and (raw is None or b"true" in raw or b"false" in raw):
+    if isinstance(tokens, list) and (raw is None or _may_hold_bools(raw)):
         for i, t in enumerate(tokens):
             if type(t) is bool:
                 raise ScoreError(f'"token_ids"[{i}] = {t!r}: token ids are ints')
     return make_request(**{k: doc.get(k) for k in FIELDS})
 
 
+def _may_hold_bools(raw: bytes) -> bool:
+    """Whether a JSON text may hold ``true`` or ``false``: searched with the digits, commas
+    and blanks taken out first (3x faster on a body of token ids; deleting can only add
+    matches, which the caller's exact check then clears)."""
+    letters = raw.translate(None, b"0123456789, ")
+    return b"true" in letters or b"false" in letters
+
+
 def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
     """Per stream of ``req.model``: ``{pod, dp_rank, block_size, tokens: {tier: n},
-    any_tier_tokens, uncertain}``, most leading tokens first. Streams of ``req.pods`` are
-    listed even at 0; otherwise a stream with nothing of the prompt is listed only if it is
-    uncertain. :class:`ScoreError` for a pod in ``req.pods`` that the state does not know."""
+    any_tier_tokens, uncertain}``, most leading tokens first, certain before uncertain, then
+    by (pod, rank). Streams of ``req.pods`` are listed even at 0; otherwise a stream with
+    nothing of the prompt is listed only if it is uncertain. :class:`ScoreError` for a pod
+    in ``req.pods`` that the state does not know. ``req.limit``: the first rows only."""
     content = state.content
     if content is None:
         raise ScoreError("this state keeps no content index (CacheState(content=False))")
@@ -141,53 +163,137 @@ def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
         return query_extras(n_blocks, block_size, media, salt)
 
     lora = lora_of(req.lora_name, req.lora_id)
-    found = content.score(req.model, lora, req.token_ids, extras, only)
+    streams = state.streams
+    unc = {key for key, st in streams.items() if st.uncertain}
+    merged = req.lora_name is not None and req.lora_id is not None
+    walks = content.walk(req.model, lora, req.token_ids, extras, only)
+    limit = req.limit
+    if merged or len(walks) > 1:
+        rows = _ranked(state, req, walks, extras, only, unc)
+        return rows if limit is None else rows[:limit]
+    rows: list[dict[str, Any]] = []
+    tiers: dict[StreamKey, dict[str, int]] = {}
+    if walks:
+        # One walk: its drops are the answer's groups of equal length, each in (pod, rank)
+        # order; longest first, and in each the certain streams before the uncertain.
+        bs, stream_drops, slot_drops = walks[0]
+        groups: list[tuple[int, bool, list[StreamKey]]] = []
+        left = limit
+        for n, mask in reversed(stream_drops):
+            if left is not None and left <= 0:
+                break
+            if not n or not mask:
+                continue
+            for flag, part in _split(content.keys_of(mask), unc):
+                if left is not None:
+                    if left <= 0:
+                        break
+                    part = part[:left]
+                    left -= len(part)
+                groups.append((n * bs, flag, part))
+        if limit is not None:  # the tiers of the streams answered only
+            slots = content.stream_mask(k for _, _, part in groups for k in part)[0]
+            slot_drops = [(n, m & slots) for n, m in slot_drops]
+        tiers = content.tiers_of(bs, slot_drops)
+        for t, flag, part in groups:
+            rows += [
+                {
+                    "pod": pod,
+                    "dp_rank": rank,
+                    "block_size": bs,
+                    "tokens": tiers[key],
+                    "any_tier_tokens": t,
+                    "uncertain": flag,
+                }
+                for key in part
+                for pod, rank in (key,)  # unpacking: cheaper than two subscripts
+            ]
+    if limit is not None and len(rows) >= limit:
+        return rows
+    rows += _zero_rows(state, req, tiers, unc)
+    return rows if limit is None else rows[:limit]
+
+
+def _split(group: list[StreamKey], unc: set[StreamKey]) -> list[tuple[bool, list[StreamKey]]]:
+    if not unc or unc.isdisjoint(group):
+        return [(False, group)]
+    return [
+        (False, [k for k in group if k not in unc]),
+        (True, [k for k in group if k in unc]),
+    ]
+
+
+def _zero_rows(
+    state: CacheState, req: ScoreRequest, found: Container[StreamKey], unc: set[StreamKey]
+) -> list[dict[str, Any]]:
+    """The rows of the streams listed at 0: those of ``req.pods``, or the uncertain ones of
+    the model; certain first, then by (pod, rank)."""
+    if req.pods is not None:
+        wanted = set(req.pods)
+        keys = [k for k in state.streams if k[0] in wanted and k not in found]
+    else:
+        models = state.models
+        keys = [k for k in unc if k not in found and models.get(k[0]) == req.model]
+    content = state.content
+    assert content is not None
+    out = []
+    for key in sorted(keys, key=lambda k: (k in unc, k)):
+        cs = content.streams.get(key)
+        out.append(
+            {
+                "pod": key[0],
+                "dp_rank": key[1],
+                "block_size": cs.block_size if cs else 0,
+                "tokens": {},
+                "any_tier_tokens": 0,
+                "uncertain": key in unc,
+            }
+        )
+    return out
+
+
+def _ranked(
+    state: CacheState,
+    req: ScoreRequest,
+    walks: list[Walk],
+    extras: Any,
+    only: tuple[int, int] | None,
+    unc: set[StreamKey],
+) -> list[dict[str, Any]]:
+    """The answer merged from several walks (block sizes; the LoRA's name and its id), each
+    stream's longest, ranked by a sort."""
+    content = state.content
+    assert content is not None
+    found: dict[StreamKey, list] = {}
+    runs = [walks]
     if req.lora_name is not None and req.lora_id is not None:
         # Releases before 0.14 name the adapter by id only: a fleet can hold both kinds.
-        for key, sc in content.score(req.model, req.lora_id, req.token_ids, extras, only).items():
-            if key not in found or found[key][1] < sc[1]:
-                found[key] = sc
-    # Rank: most leading tokens, certain before uncertain, then by (pod, rank). The index
-    # lists each group of equal length in (pod, rank) order, so a stable sort on the first
-    # two is enough -- unless two walks (block sizes, LoRA name and id) were merged.
-    streams, models = state.streams, state.models
-    order = []
-    for key, (bs, n_any, tiers) in found.items():
-        st = streams.get(key)
-        unc = st is not None and st.uncertain
-        order.append((-2 * n_any + unc, key, bs, n_any, unc, tiers))
-    extra = []
-    for key, st in streams.items():
-        if key in found:
-            continue
-        if req.pods is not None:
-            if key[0] not in req.pods:
-                continue
-        elif not st.uncertain or models.get(key[0]) != req.model:
-            continue
-        cs = content.streams.get(key)
-        extra.append((st.uncertain, key, cs.block_size if cs else 0, 0, st.uncertain, {}))
-    order += sorted(extra)
-    merged = req.lora_name is not None and req.lora_id is not None
-    if merged or len(content.sizes.get(req.model, ())) > 1:
-        order.sort(key=_exact)
-    else:
-        order.sort(key=_first)
-    return [
+        runs.append(content.walk(req.model, req.lora_id, req.token_ids, extras, only))
+    for run in runs:
+        for bs, stream_drops, slot_drops in run:
+            tiers = content.tiers_of(bs, slot_drops)
+            for n, mask in stream_drops:
+                if n and mask:
+                    t = n * bs
+                    for key in content.keys_of(mask):
+                        entry = found.get(key)
+                        if entry is None or entry[1] < t:
+                            found[key] = [bs, t, tiers[key]]
+    order = sorted(
+        (
+            (-2 * n_any + (key in unc), key, bs, n_any, tiers)
+            for key, (bs, n_any, tiers) in found.items()
+        )
+    )
+    rows = [
         {
             "pod": key[0],
             "dp_rank": key[1],
             "block_size": bs,
-            "tokens": dict(sorted(tiers.items())) if len(tiers) > 1 else tiers,
+            "tokens": tiers,
             "any_tier_tokens": n_any,
-            "uncertain": bool(unc),
+            "uncertain": key in unc,
         }
-        for _, key, bs, n_any, unc, tiers in order
+        for _, key, bs, n_any, tiers in order
     ]
-
-
-_first = itemgetter(0)
-
-
-def _exact(t: tuple) -> tuple:
-    return (t[0], t[1])
+    return rows + _zero_rows(state, req, found, unc)

@@ -331,16 +331,17 @@ class CacheState:
         pods: list[str] | None = None,
         cache_salt: str | None = None,
         lora_id: int | None = None,
+        limit: int | None = None,
     ) -> list[dict[str, Any]]:
         """For a prompt's token ids, per (pod, dp_rank) of ``model``: the leading tokens
         resident per tier and in any tier, and whether the stream is certain -- computed from
         the blocks' contents, independent of vLLM's hash (:mod:`bridge.score`). ``media``:
         the prompt's multimodal inputs ``{"identifier", "offset", "length"}``; ``pods``: only
-        these pods (listed even when they hold nothing). ValueError (``ScoreError``) for a
-        request to fix."""
+        these pods (listed even when they hold nothing); ``limit``: the first rows only.
+        ValueError (``ScoreError``) for a request to fix."""
         from bridge.score import make_request, score
 
-        req = make_request(model, token_ids, lora_name, lora_id, media, cache_salt, pods)
+        req = make_request(model, token_ids, lora_name, lora_id, media, cache_salt, pods, limit)
         return score(self, req)
 
     def resident_blocks(self) -> int:

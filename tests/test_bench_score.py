@@ -32,6 +32,12 @@ def test_score_bench_runs_and_writes_its_json(tmp_path):
     assert q["turn"]["best_tokens_mean"] > 0 and q["new"]["best_tokens_mean"] > 0
     assert q["cold"]["best_tokens_mean"] == 0 and q["cold"]["rows_mean"] == 0
     assert q["new"]["rows_mean"] == 8  # every pod holds the system prompts
+    assert q["limit"] == 8
+    for tag in ("before", "limit"):  # the A/B and the limited answer, timed alongside
+        assert q["all"][tag]["lib_p99_us"] >= q["all"][tag]["lib_p50_us"] > 0
+        assert q["all"][tag]["server_p99_us"] >= q["all"][tag]["server_p50_us"] > 0
+    assert len(r["load_average"]) == 3
+    assert "p99 <= 1 ms" in got.stdout and "before the p99 round" in got.stdout
     assert r["memory"]["with_index"] > r["memory"]["without_index"] > 0
     assert set(r["ingest"]["apply_per_s"]) == {"with_index", "without_index"}
     assert "lib p99 us" in got.stdout

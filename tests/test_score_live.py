@@ -47,7 +47,7 @@ SPECS = [
 
 
 def http(port: int, path: str, doc: Any = None) -> tuple[int, dict[str, Any]]:
-    body = None if doc is None else json.dumps(doc).encode()
+    body = doc if isinstance(doc, bytes) or doc is None else json.dumps(doc).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body)
     if body is not None:
         req.add_header("Content-Type", "application/json")
@@ -160,7 +160,17 @@ def test_score_filters_pods_and_refuses_bad_requests(served):
         ({"model": MODEL, "token_ids": [1, -2]}, "token ids are ints in 0..4294967295"),
         ({"token_ids": [1]}, '"model" is required'),
         ({"model": MODEL, "token_ids": "1,2"}, '"token_ids" is required'),
+        ({**query(pr), "limit": 0}, '"limit" must be a positive int'),
+        (b'{"model": "m", "token_ids": [1, NaN]}', "token ids are ints"),
+        (b'{"model": "m", "token_ids": [1', "body is not JSON"),
     ]:
         status, doc = http(port, "/score", body)
         assert (status, message in doc["error"]) == (400, True), doc
     assert http(port, "/score")[0] == 405
+    # limit: the first rows of the whole answer (of a prompt more than one stream holds)
+    wholes = [(p, http(port, "/score", query(p))[1]) for p in served["prompts"]]
+    pr, whole = max(wholes, key=lambda pw: len(pw[1]["pods"]))
+    status, doc = http(port, "/score", {**query(pr), "limit": 1})
+    assert status == 200 and len(whole["pods"]) > 1
+    assert [r["pod"] for r in doc["pods"]] == [whole["pods"][0]["pod"]]
+    assert doc["pods"][0]["tokens"] == whole["pods"][0]["tokens"]

@@ -1,0 +1,214 @@
+"""``bridge.score.score`` against a plainly written reference and against the code before the
+p99 round (bench/score_before.py), on random fleets; and the ``limit`` field."""
+
+from __future__ import annotations
+
+import json
+from hashlib import blake2b
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bench.score_before import score_before
+from bridge.contentkeys import chain, lora_of, pack_tokens, query_extras, root_key
+from bridge.events import BlockRemoved, BlockStored
+from bridge.markers import EventsLost
+from bridge.records import Envelope, Record
+from bridge.score import ScoreError, make_request, parse_body, score
+from bridge.state import CacheState
+
+MODEL = "m"
+PODS = ("a", "b", "c", "d", "e")
+MEDIA = ("GPU", "CPU")
+
+
+def reference(state: CacheState, req) -> list[dict[str, Any]]:
+    """Per stream, per slot: the leading blocks of the prompt whose content key the slot
+    holds, counted block by block; ranked by a sort on (-tokens, uncertain, pod, rank)."""
+    content = state.content
+    assert content is not None
+    loras = [lora_of(req.lora_name, req.lora_id)]
+    if req.lora_name is not None and req.lora_id is not None:
+        loras.append(req.lora_id)
+    n_tokens = req.n_tokens
+    rows = []
+    for key, st_ in state.streams.items():
+        if req.pods is not None and key[0] not in req.pods:
+            continue
+        cs = content.streams.get(key)
+        best: tuple[int, int, dict[str, int]] | None = None
+        if cs is not None and state.models.get(key[0]) == req.model:
+            for bs in sorted(content.sizes.get(req.model, ())):
+                nb = n_tokens // bs
+                if not nb:
+                    continue
+                extras = query_extras(nb, bs, req.media, req.cache_salt)
+                for lora in loras:
+                    keys = chain(content.root(req.model, lora, bs), req.token_ids, bs, nb, extras)
+                    tiers = {}
+                    for slot in cs.slots.values():
+                        held = set(slot.held.values())
+                        n = 0
+                        while n < nb and keys[n] in held:
+                            n += 1
+                        if n:
+                            tiers[slot.name] = n * bs
+                    n_any = 0
+                    while n_any < nb and any(
+                        keys[n_any] in set(s.held.values()) for s in cs.slots.values()
+                    ):
+                        n_any += 1
+                    if n_any and (best is None or best[1] < n_any * bs):
+                        best = (bs, n_any * bs, dict(sorted(tiers.items())))
+        unc = bool(st_.uncertain)
+        if best is None:
+            if req.pods is None and not unc:
+                continue
+            best = (cs.block_size if cs else 0, 0, {})
+        bs, n_any, tiers = best
+        rows.append(
+            {
+                "pod": key[0],
+                "dp_rank": key[1],
+                "block_size": bs,
+                "tokens": tiers,
+                "any_tier_tokens": n_any,
+                "uncertain": unc,
+            }
+        )
+    rows.sort(key=lambda r: (-2 * r["any_tier_tokens"] + r["uncertain"], r["pod"], r["dp_rank"]))
+    return rows if req.limit is None else rows[: req.limit]
+
+
+# A fleet: each op stores a prefix of one of a few shared prompts (in one or two tiers),
+# removes a stream's blocks, or marks a stream uncertain.
+prompts = st.lists(st.lists(st.integers(0, 3), min_size=8, max_size=40), min_size=1, max_size=3)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(PODS),
+        st.integers(0, 1),  # dp rank
+        st.sampled_from(("store", "store", "store", "remove", "lost")),
+        st.integers(0, 2),  # prompt
+        st.integers(1, 40),  # tokens of it
+        st.sampled_from(MEDIA),
+        st.integers(0, 7),  # block to remove
+    ),
+    max_size=30,
+)
+
+
+def build(prompt_list, op_list, sizes, lora: bool) -> CacheState:
+    state = CacheState()
+    seq: dict[tuple[str, int], int] = {}
+    for pod, rank, kind, p, n, medium, which in op_list:
+        toks = prompt_list[p % len(prompt_list)]
+        bs = sizes[PODS.index(pod) % len(sizes)]
+        k = (pod, rank)
+        seq[k] = seq.get(k, 0) + 1
+        # engine hashes: this pod's own (a salt), chained over the tokens
+        hashes = [
+            blake2b(f"{pod}{bs}:{toks[: (i + 1) * bs]}".encode(), digest_size=8).digest()
+            for i in range(min(n, len(toks)) // bs)
+        ]
+        if kind == "store" and hashes:
+            ev: Any = BlockStored(
+                hashes,
+                None,
+                toks[: len(hashes) * bs],
+                bs,
+                medium=medium,
+                lora_name="ad" if lora and pod in "ab" else None,
+                lora_id=7 if lora and pod in "cd" else None,
+            )
+        elif kind == "remove" and hashes:
+            ev = BlockRemoved([hashes[which % len(hashes)]], medium=medium)
+        elif kind == "lost":
+            ev = EventsLost(from_seq=seq[k], to_seq=seq[k], reason="gap")
+            seq[k] += 1
+            state.apply(Record(Envelope(pod, MODEL, rank, 1, seq[k] - 1, -1, 0.0), ev))
+            continue
+        else:
+            continue
+        state.apply(Record(Envelope(pod, MODEL, rank, 1, seq[k], 0, 0.0), ev))
+    return state
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt_list=prompts,
+    op_list=ops,
+    sizes=st.sampled_from([(4,), (4,), (2, 4)]),
+    lora=st.booleans(),
+    query=st.tuples(st.integers(0, 2), st.integers(1, 40), st.lists(st.integers(0, 3), max_size=8)),
+    pods=st.none() | st.lists(st.sampled_from(PODS), min_size=1, max_size=3),
+    limit=st.none() | st.integers(1, 6),
+    lora_q=st.sampled_from([(None, None), ("ad", None), (None, 7), ("ad", 7)]),
+)
+def test_score_equals_the_reference_and_the_code_before(
+    prompt_list, op_list, sizes, lora, query, pods, limit, lora_q
+):
+    state = build(prompt_list, op_list, sizes, lora)
+    p, n, tail = query
+    toks = prompt_list[p % len(prompt_list)][:n] + tail
+    known = {k[0] for k in state.streams}
+    if pods is not None:
+        pods = [x for x in pods if x in known] or None
+    req = make_request(MODEL, toks, lora_q[0], lora_q[1], pods=pods, limit=limit)
+    got = score(state, req)
+    assert got == reference(state, req)
+    before = score_before(state, req)
+    if limit is not None:
+        before = before[:limit]
+    # the same rows in the same order, the tiers in the same order (the JSON text)
+    assert json.dumps(got) == json.dumps(before)
+
+
+def test_limit_keeps_the_first_rows():
+    state = CacheState()
+    prompt = list(range(40))
+    for i, pod in enumerate(PODS):
+        n = 4 * (i + 1)
+        hashes = [f"{pod}{j}".encode() for j in range(n // 4)]
+        ev = BlockStored(hashes, None, prompt[:n], 4, medium="GPU")
+        state.apply(Record(Envelope(pod, MODEL, 0, 1, 1, 0, 0.0), ev))
+    full = score(state, make_request(MODEL, prompt))
+    assert [r["pod"] for r in full] == ["e", "d", "c", "b", "a"]
+    for limit in (1, 2, 5, 9):
+        assert score(state, make_request(MODEL, prompt, limit=limit)) == full[:limit]
+    assert state.score(MODEL, prompt, limit=2) == full[:2]
+    assert score(state, make_request(MODEL, prompt, pods=["a", "b"], limit=1)) == [full[3]]
+
+
+@pytest.mark.parametrize("limit", [0, -1, True, 1.5, "3", [1]])
+def test_bad_limit(limit):
+    with pytest.raises(ScoreError, match='"limit" must be a positive int'):
+        parse_body({"model": MODEL, "token_ids": [1, 2], "limit": limit})
+
+
+def test_limit_null_is_no_limit():
+    assert parse_body({"model": MODEL, "token_ids": [1], "limit": None}).limit is None
+    assert parse_body({"model": MODEL, "token_ids": [1], "limit": 3}).limit == 3
+
+
+def test_content_keys_are_unchanged():
+    """Pinned: the keys ingest and the kv-events log define (BLAKE2b-16 of parent key +
+    tokens little-endian + extra), whatever way the code feeds the hash."""
+    root = root_key("m", None, 4)
+    keys = chain(root, pack_tokens(list(range(8))), 4, 2, [b"", b"x"])
+    assert root.hex() == "a862052ecd10e2ca7e7228fb507206d7"
+    assert [k.hex() for k in keys] == [
+        "5666dcf0e369f8375f610a7c83030968",
+        "3b9bf9cb25926fe14fd100845a3ed756",
+    ]
+    plain = blake2b(root + pack_tokens([0, 1, 2, 3]), digest_size=16).digest()
+    assert keys[0] == plain
+    assert keys[1] == blake2b(plain + pack_tokens([4, 5, 6, 7]) + b"x", digest_size=16).digest()
+
+
+@pytest.mark.parametrize("text", ["[1, true]", "[1,false ]", '{"token_ids": [true]}'])
+def test_bools_among_token_ids_are_found_in_the_raw_body(text):
+    body = '{"model": "m", "token_ids": ' + text.split(":")[-1].rstrip("}") + "}"
+    with pytest.raises(ScoreError, match="token ids are ints"):
+        parse_body(json.loads(body), body.encode())
