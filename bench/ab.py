@@ -4,10 +4,10 @@ Each round runs ``python -m bench`` once with this tree's code and once with the
 (a ``git worktree`` of REV, or a directory), alternating which goes first, against one shared
 broker; every run measures the ceiling (decode + encode) and the ``--ref-pods`` drain of the
 bridge and of the naive loop (``--only ceiling``: the ceiling alone), so each tree's bridge is
-measured in the same run as its own ceiling and naive loop. The report gives, per figure, the median of the rounds for each tree
-and their ratio (this tree / baseline; for CPU per event, baseline / this tree, so that > 1
-always means this tree is faster). Each tree's own bench code drives it: the figures are
-those its ``python -m bench`` prints.
+measured in the same run as its own ceiling and naive loop. The report gives, per figure,
+the median of the rounds for each tree and their ratio (this tree / baseline; for CPU per
+event, baseline / this tree, so that > 1 always means this tree is faster). Each tree's own
+bench code drives it: the figures are those its ``python -m bench`` prints.
 """
 
 from __future__ import annotations
