@@ -537,7 +537,9 @@ def test_second_transactional_bridge_fences_the_first(kafka_bootstrap, make_topi
     3 saying "fenced", and the topic stays exactly-once for a read_committed reader."""
     topic = make_topic(partitions=3)
     txn = f"fence-{topic}"
-    pods = specs("fence", pods=3, rate=50, batches=500)  # 10 s
+    # 30 s of publishing: the first bridge is fenced at its next transaction, so the pods
+    # must still publish once the second bridge is up (seconds each on a loaded machine).
+    pods = specs("fence", pods=3, rate=50, batches=1500)
     extra = ["--exactly-once", "--transactional-id", txn, "--commit-interval", "50ms"]
     extra += ["--commit-max-events", "500"]
     with (
@@ -631,7 +633,9 @@ def test_sigterm_with_the_broker_down_exits_within_the_shutdown_timeout(tmp_path
     within --shutdown-timeout (plus slack) with code 4 and a log line counting the records
     Kafka never acknowledged. With the broker back, a restarted bridge resumes from the last
     acknowledged (committed) checkpoints: the topic ends complete, nothing lost."""
-    pods = specs("down", pods=2, rate=50, batches=1000)  # 20 s of publishing
+    # 50 s of publishing: the pods must still publish when the broker is killed, which is
+    # once the bridge is up (seconds on a loaded machine), or nothing would wait for Kafka.
+    pods = specs("down", pods=2, rate=50, batches=2500)
     extra = ["--shutdown-timeout", f"{SHUTDOWN_TIMEOUT:g}s"]
     if exactly_once:
         extra.append("--exactly-once")
