@@ -52,7 +52,7 @@ from bench.workload import WorkloadConfig, generate
 from bridge.events import BlockStored
 from bridge.markers import StreamStarted
 from bridge.records import Envelope, Record
-from bridge.score import make_request, parse_body, score
+from bridge.score import make_request, parse_body, score, score_groups
 from bridge.state import CacheState
 from bridge.stateserve import _staleness, parse_score_body, score_view
 from bridge.vllm.decoder import decode_batch
@@ -205,14 +205,29 @@ def _lib(fn: Any, state: CacheState, toks: list[int], limit: int | None) -> Any:
     return fn(state, make_request(MODEL, toks, limit=limit))
 
 
-VARIANTS = ("lib", "srv", "lib_before", "srv_before", "lib_limit", "srv_limit")
+def _lib_group(state: CacheState, toks: list[int]) -> Any:
+    return score_groups(state, make_request(MODEL, toks, group=True))
+
+
+VARIANTS = (
+    "lib",
+    "srv",
+    "lib_before",
+    "srv_before",
+    "lib_limit",
+    "srv_limit",
+    "lib_group",
+    "srv_group",
+)
+TAGS = ("before", "limit", "group")
 
 
 def time_queries(
     state: CacheState, qs: list[tuple[str, tuple[int, ...]]], limit: int = 8
 ) -> dict[str, Any]:
-    """Each query timed six ways, interleaved (the order rotating query by query): the
-    library call and the server's work, now, before the p99 round, and with ``limit``."""
+    """Each query timed eight ways, interleaved (the order rotating query by query): the
+    library call and the server's work, now, before the p99 round, with ``limit``, and
+    grouped (``"group": true``)."""
     times: dict[str, dict[str, list[int]]] = {v: {} for v in VARIANTS}
     rows: dict[str, list[int]] = {}
     tokens: dict[str, list[int]] = {}
@@ -223,6 +238,7 @@ def time_queries(
         toks = list(tup)
         body = json.dumps({"model": MODEL, "token_ids": toks}).encode()
         lbody = json.dumps({"model": MODEL, "token_ids": toks, "limit": limit}).encode()
+        gbody = json.dumps({"model": MODEL, "token_ids": toks, "group": True}).encode()
         runs: dict[str, tuple[Any, ...]] = {
             "lib": (_lib, score, state, toks, None),
             "srv": (_srv, state, last_ts, body, now),
@@ -230,8 +246,11 @@ def time_queries(
             "srv_before": (_srv_before, state, last_ts, body, now),
             "lib_limit": (_lib, score, state, toks, limit),
             "srv_limit": (_srv, state, last_ts, lbody, now),
+            "lib_group": (_lib_group, state, toks),
+            "srv_group": (_srv, state, last_ts, gbody, now),
         }
-        order = VARIANTS[q % 6 :] + VARIANTS[: q % 6]
+        r = q % len(VARIANTS)
+        order = VARIANTS[r:] + VARIANTS[:r]
         got: Any = None
         for v in order:
             fn, *args = runs[v]
@@ -259,7 +278,7 @@ def time_queries(
             "rows_mean": round(statistics.mean(values(rows, kind)), 1),
             "best_tokens_mean": round(statistics.mean(values(tokens, kind))),
         }
-        for tag in ("before", "limit"):
+        for tag in TAGS:
             lv, sv = values(times[f"lib_{tag}"], kind), values(times[f"srv_{tag}"], kind)
             out[kind][tag] = {
                 "lib_p50_us": pct(lv, 0.5),
@@ -416,7 +435,8 @@ def render(r: dict[str, Any]) -> str:
             f"{q['server_p50_us']:>11} {q['server_p99_us']:>11} {q['rows_mean']:>6} "
             f"{q['best_tokens_mean']:>12,}"
         )
-    for tag, title in (("before", "before the p99 round"), ("limit", "with limit")):
+    titles = (("before", "before the p99 round"), ("limit", "with limit"), ("group", "grouped"))
+    for tag, title in titles:
         lim = f" {r['queries']['limit']}" if tag == "limit" else ""
         lines += ["", f"{title}{lim} (same queries, interleaved):"]
         for kind in ("turn", "new", "cold", "all"):
@@ -428,11 +448,19 @@ def render(r: dict[str, Any]) -> str:
     p99 = r["queries"]["all"]
     met = [
         name
-        for name, q in (("lib", p99), ("lib with limit", p99["limit"]))
+        for name, q in (
+            ("lib", p99),
+            ("lib with limit", p99["limit"]),
+            ("lib grouped", p99["group"]),
+        )
         if q["lib_p99_us"] <= 1000
     ] + [
         name
-        for name, q in (("srv", p99), ("srv with limit", p99["limit"]))
+        for name, q in (
+            ("srv", p99),
+            ("srv with limit", p99["limit"]),
+            ("srv grouped", p99["group"]),
+        )
         if q["server_p99_us"] <= 1000
     ]
     lines += [

@@ -562,6 +562,23 @@ class ContentIndex:
             first = first and not hit
         return out
 
+    def tier_streams(
+        self, block_size: int, slot_drops: list[tuple[int, int]]
+    ) -> list[tuple[str, list[tuple[int, int]]]]:
+        """Per tier name (in name order) holding some of a walk's blocks: ``(leading tokens,
+        stream mask)`` of its slot drops -- the streams whose slot of that name holds exactly
+        that many leading tokens (a stream has one slot per name)."""
+        out = []
+        for name, in_tier in self._tier_masks():
+            drops = [
+                (n * block_size, self.streams_of(mask & in_tier))
+                for n, mask in slot_drops
+                if n and mask & in_tier
+            ]
+            if drops:
+                out.append((name, drops))
+        return out
+
     def score(
         self,
         model: str,

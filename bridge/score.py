@@ -19,7 +19,17 @@ from bridge.state import CacheState
 
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_MEDIA = 4096
-FIELDS = ("model", "lora_name", "lora_id", "token_ids", "media", "cache_salt", "pods", "limit")
+FIELDS = (
+    "model",
+    "lora_name",
+    "lora_id",
+    "token_ids",
+    "media",
+    "cache_salt",
+    "pods",
+    "limit",
+    "group",
+)
 
 
 class ScoreError(ValueError):
@@ -37,6 +47,7 @@ class ScoreRequest:
     cache_salt: str | None = None
     pods: tuple[str, ...] | None = None
     limit: int | None = None  # the first rows of the answer only
+    group: bool = False  # the answer as groups of streams with equal counts (score_groups)
 
 
 def _int(v: Any) -> bool:
@@ -52,6 +63,7 @@ def make_request(
     cache_salt: Any = None,
     pods: Any = None,
     limit: Any = None,
+    group: Any = None,
 ) -> ScoreRequest:
     """A validated :class:`ScoreRequest`; :class:`ScoreError` says what is wrong."""
     if not isinstance(model, str) or not model:
@@ -102,6 +114,10 @@ def make_request(
         pod_names = tuple(dict.fromkeys(pods))
     if limit is not None and (not _int(limit) or limit < 1):
         raise ScoreError('"limit" must be a positive int (the most rows to answer) or null')
+    if group is not None and type(group) is not bool:
+        raise ScoreError('"group" must be true (answer groups of streams), false or null')
+    if group and limit is not None:
+        raise ScoreError('"limit" is for the rows; a grouped answer ("group": true) has no limit')
     return ScoreRequest(
         model,
         packed,
@@ -112,6 +128,7 @@ def make_request(
         cache_salt,
         pod_names,
         limit,
+        bool(group),
     )
 
 
@@ -133,11 +150,19 @@ def parse_body(doc: Any, raw: bytes | None = None) -> ScoreRequest:
 
 
 def _may_hold_bools(raw: bytes) -> bool:
-    """Whether a JSON text may hold ``true`` or ``false``: searched with the digits, commas
-    and blanks taken out first (3x faster on a body of token ids; deleting can only add
-    matches, which the caller's exact check then clears)."""
-    letters = raw.translate(None, b"0123456789, ")
-    return b"true" in letters or b"false" in letters
+    """Whether the ``token_ids`` of a JSON text may hold ``true`` or ``false``: searched from
+    each ``"token_ids"`` to the next ``]`` (the whole text when the key is not spelled so),
+    with the digits, commas and blanks taken out first (3x faster; deleting can only add
+    matches, which the caller's exact check then clears). A list of ints ends at its first
+    ``]``; one holding anything else fails to pack, and :func:`make_request` then names the
+    first item that is not an int, bools included."""
+    parts = raw.split(b'"token_ids"')
+    texts = [p.split(b"]", 1)[0] for p in parts[1:]] if len(parts) > 1 else [raw]
+    for text in texts:
+        letters = text.translate(None, b"0123456789, ")
+        if b"true" in letters or b"false" in letters:
+            return True
+    return False
 
 
 def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
@@ -297,3 +322,113 @@ def _ranked(
         for _, key, bs, n_any, tiers in order
     ]
     return rows + _zero_rows(state, req, found, unc)
+
+
+class _Found:
+    """The streams of a stream mask, as a container of stream keys (for :func:`_zero_rows`)."""
+
+    def __init__(self, state: CacheState, mask: int) -> None:
+        self.streams = state.content.streams if state.content is not None else {}
+        self.mask = mask
+
+    def __contains__(self, key: object) -> bool:
+        s = self.streams.get(key)  # type: ignore[call-overload]
+        return s is not None and bool(self.mask >> s.bit & 1)
+
+
+def score_groups(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
+    """:func:`score`'s answer grouped: one ``{block_size, tokens: {tier: n}, any_tier_tokens,
+    uncertain, streams: [(pod, dp_rank), ...]}`` per set of streams whose rows would be equal
+    but for the stream, ordered by (most leading tokens, certain first, first stream); the
+    streams of each in (pod, rank) order. The same streams and counts as the rows, built from
+    the walk's masks without a row per stream (``req.limit`` does not apply)."""
+    content = state.content
+    if content is None:
+        raise ScoreError("this state keeps no content index (CacheState(content=False))")
+    only = None
+    if req.pods is not None:
+        wanted = set(req.pods)
+        keys = [k for k in state.streams if k[0] in wanted]
+        missing = wanted - {k[0] for k in keys}
+        if missing:
+            raise ScoreError(f"unknown pod(s) {sorted(missing)}: GET /pods lists the pods")
+        only = content.stream_mask(keys)
+    walks: list[Walk] = []
+    if req.lora_name is None or req.lora_id is None:
+        media, salt = req.media, req.cache_salt
+        walks = content.walk(
+            req.model,
+            lora_of(req.lora_name, req.lora_id),
+            req.token_ids,
+            lambda nb, bs: query_extras(nb, bs, media, salt),
+            only,
+        )
+    if len(walks) != 1:  # several block sizes, a LoRA by name and id, or nothing: by the rows
+        return group_rows(score(state, req))
+    unc = {key for key, st in state.streams.items() if st.uncertain}
+    unc_mask = content.stream_mask(unc)[1] if unc else 0
+    bs, stream_drops, slot_drops = walks[0]
+    per_tier = content.tier_streams(bs, slot_drops)
+    parts: list[tuple[int, bool, int, dict[str, int]]] = []
+    found = 0
+    for n, mask in stream_drops:
+        if not n or not mask:
+            continue
+        found |= mask
+        cur: list[tuple[int, dict[str, int]]] = [(mask, {})]
+        for name, drops in per_tier:  # split by each tier's count, in name order
+            nxt = []
+            for rest, tiers in cur:
+                for t, in_drop in drops:
+                    x = rest & in_drop
+                    if x:
+                        nxt.append((x, {**tiers, name: t}))
+                        rest &= ~in_drop
+                        if not rest:
+                            break
+                if rest:
+                    nxt.append((rest, tiers))
+            cur = nxt
+        t = n * bs
+        for x, tiers in cur:
+            if x & ~unc_mask:
+                parts.append((t, False, x & ~unc_mask, tiers))
+            if x & unc_mask:
+                parts.append((t, True, x & unc_mask, tiers))
+    groups = [
+        (-t, flag, keys, tiers) for t, flag, x, tiers in parts for keys in (content.keys_of(x),)
+    ]
+    groups.sort(key=lambda g: (g[0], g[1], g[2][0]))
+    out = [
+        {
+            "block_size": bs,
+            "tokens": tiers,
+            "any_tier_tokens": -t,
+            "uncertain": flag,
+            "streams": list(keys),
+        }
+        for t, flag, keys, tiers in groups
+    ]
+    return out + group_rows(_zero_rows(state, req, _Found(state, found), unc))
+
+
+def group_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows (as :func:`score` answers them) grouped as :func:`score_groups` answers."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        g = (r["block_size"], r["any_tier_tokens"], tuple(r["tokens"].items()), r["uncertain"])
+        entry = groups.get(g)
+        if entry is None:
+            entry = groups[g] = {
+                "block_size": r["block_size"],
+                "tokens": r["tokens"],
+                "any_tier_tokens": r["any_tier_tokens"],
+                "uncertain": r["uncertain"],
+                "streams": [],
+            }
+        entry["streams"].append((r["pod"], r["dp_rank"]))
+    for entry in groups.values():
+        entry["streams"].sort()
+    return sorted(
+        groups.values(), key=lambda e: (-e["any_tier_tokens"], e["uncertain"], e["streams"][0])
+    )

@@ -8,8 +8,8 @@ handler threads answer from it under the same lock:
 - ``GET /prefix?hashes=1,2,3[&medium=GPU]``, ``POST /prefix`` ``{"hashes": [...]}``: the
   longest cached prefix per (pod, rank), ranked
 - ``POST /score`` ``{"model", "token_ids", "lora_name"?, "media"?, "cache_salt"?, "pods"?,
-  "limit"?}``: per (pod, rank), the prompt's leading tokens resident per tier, by content
-  (:mod:`bridge.score`; no engine hash needed)
+  "limit"?, "group"?}``: per (pod, rank), the prompt's leading tokens resident per tier, by
+  content (:mod:`bridge.score`; no engine hash needed); grouped by equal counts with "group"
 - ``GET /healthz`` (the consumer runs; with the count and first partition:offset of records
   skipped as undecodable), ``GET /readyz`` (caught up with the end of kv-events seen at start)
 """
@@ -34,7 +34,7 @@ import msgspec
 from bridge.config import KafkaUnreachable, kafka_unreachable
 from bridge.consumer import Undecodable
 from bridge.events import parse_hash_text
-from bridge.score import ScoreError, ScoreRequest, parse_body
+from bridge.score import ScoreError, ScoreRequest, parse_body, score_groups
 from bridge.score import score as score_rows
 from bridge.state import DEFAULT_POLICY, CacheState
 from bridge.statesync import PartitionWatch
@@ -197,12 +197,18 @@ def parse_score_body(body: bytes) -> ScoreRequest:
 def score_view(
     state: CacheState, last_ts_ms: dict[StreamKey, int], req: ScoreRequest, now_ms: int
 ) -> dict[str, Any]:
-    """The /score document: :func:`bridge.score.score`'s rows, with each stream's staleness."""
+    """The /score document: :func:`bridge.score.score`'s rows, with each stream's staleness
+    (or :func:`bridge.score.score_groups`'s groups, with the largest of their streams')."""
     try:
-        rows = score_rows(state, req)
+        rows = score_groups(state, req) if req.group else score_rows(state, req)
     except ScoreError as exc:
         raise BadRequest(str(exc)) from None
     get = last_ts_ms.get
+    if req.group:
+        for g in rows:
+            known = [ts for ts in map(get, g["streams"]) if type(ts) is int]
+            g["staleness_s"] = round(max(0, now_ms - min(known)) / 1000.0, 3) if known else None
+        return {"model": req.model, "query_tokens": req.n_tokens, "groups": rows}
     for r in rows:  # _staleness inlined: ms (an int) / 1000.0 is already at 3 places
         ts = get((r["pod"], r["dp_rank"]))
         if ts is None:

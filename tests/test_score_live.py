@@ -130,6 +130,19 @@ def test_score_equals_what_each_engine_holds(served):
         }
         for r in doc["pods"]:
             assert r["uncertain"] is False and r["block_size"] == bs[(r["pod"], r["dp_rank"])]
+        # the grouped answer: the same streams and counts, one entry per set of equal rows
+        status, gdoc = http(port, "/score", {**query(pr), "group": True})
+        assert status == 200 and "pods" not in gdoc, gdoc
+        grouped = {}
+        for g in gdoc["groups"]:
+            assert g["streams"] == sorted(g["streams"]) and g["staleness_s"] >= 0
+            for pod, rank in g["streams"]:
+                assert g["block_size"] == bs[(pod, rank)] and g["uncertain"] is False
+                grouped[(pod, rank)] = (
+                    g["any_tier_tokens"],
+                    {t: n for t, n in g["tokens"].items() if n},
+                )
+        assert grouped == got and len(gdoc["groups"]) <= len(doc["pods"])
         holders = 0
         for key in bs:
             tiers, n_any = truth[(key, pr)]
@@ -161,6 +174,8 @@ def test_score_filters_pods_and_refuses_bad_requests(served):
         ({"token_ids": [1]}, '"model" is required'),
         ({"model": MODEL, "token_ids": "1,2"}, '"token_ids" is required'),
         ({**query(pr), "limit": 0}, '"limit" must be a positive int'),
+        ({**query(pr), "group": 1}, '"group" must be true'),
+        ({**query(pr), "group": True, "limit": 2}, '"limit" is for the rows'),
         (b'{"model": "m", "token_ids": [1, NaN]}', "token ids are ints"),
         (b'{"model": "m", "token_ids": [1', "body is not JSON"),
     ]:

@@ -1,5 +1,6 @@
 """``bridge.score.score`` against a plainly written reference and against the code before the
-p99 round (bench/score_before.py), on random fleets; and the ``limit`` field."""
+p99 round (bench/score_before.py), on random fleets; the ``limit`` field; and the grouped
+answer (``score_groups``) against the reference's rows grouped."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from bridge.contentkeys import chain, lora_of, pack_tokens, query_extras, root_k
 from bridge.events import BlockRemoved, BlockStored
 from bridge.markers import EventsLost
 from bridge.records import Envelope, Record
-from bridge.score import ScoreError, make_request, parse_body, score
+from bridge.score import ScoreError, group_rows, make_request, parse_body, score, score_groups
 from bridge.state import CacheState
 
 MODEL = "m"
@@ -163,6 +164,65 @@ def test_score_equals_the_reference_and_the_code_before(
         before = before[:limit]
     # the same rows in the same order, the tiers in the same order (the JSON text)
     assert json.dumps(got) == json.dumps(before)
+    # grouped: the same streams and counts, built from the masks (one walk) or the rows
+    greq = make_request(MODEL, toks, lora_q[0], lora_q[1], pods=pods, group=True)
+    groups = score_groups(state, greq)
+    want = group_rows(reference(state, greq))
+    assert json.dumps(groups) == json.dumps(want)
+    assert sum(len(g["streams"]) for g in groups) == len(score(state, greq))
+
+
+def test_groups_are_sets_of_equal_rows():
+    """Hand-made: five pods; a, b hold 8 tokens on GPU, c holds 8 on GPU and 4 on CPU, d
+    holds 4, e is uncertain and holds 8; f holds nothing of the prompt."""
+    state = CacheState()
+    prompt = list(range(40))
+
+    def store(pod: str, n: int, medium: str = "GPU", seq: int = 1) -> None:
+        hashes = [f"{pod}{j}".encode() for j in range(n // 4)]
+        ev = BlockStored(hashes, None, prompt[:n], 4, medium=medium)
+        state.apply(Record(Envelope(pod, MODEL, 0, 1, seq, 0, 0.0), ev))
+
+    for pod, n in (("a", 8), ("b", 8), ("c", 8), ("d", 4), ("e", 8)):
+        store(pod, n)
+    store("c", 4, "CPU", 2)
+    lost = EventsLost(from_seq=2, to_seq=2, reason="gap")
+    state.apply(Record(Envelope("e", MODEL, 0, 1, 2, -1, 0.0), lost))
+    ev = BlockStored([b"f0"], None, [9, 9, 9, 9], 4, medium="GPU")
+    state.apply(Record(Envelope("f", MODEL, 0, 1, 1, 0, 0.0), ev))
+    groups = score_groups(state, make_request(MODEL, prompt, group=True))
+    assert [(g["any_tier_tokens"], g["tokens"], g["uncertain"], g["streams"]) for g in groups] == [
+        (8, {"GPU": 8}, False, [("a", 0), ("b", 0)]),
+        (8, {"CPU": 4, "GPU": 8}, False, [("c", 0)]),
+        (8, {"GPU": 8}, True, [("e", 0)]),
+        (4, {"GPU": 4}, False, [("d", 0)]),
+    ]
+    assert all(g["block_size"] == 4 for g in groups)
+    # pods asked for are listed even at 0, as the rows are
+    asked = score_groups(state, make_request(MODEL, prompt, pods=["d", "f"], group=True))
+    assert [(g["any_tier_tokens"], g["streams"]) for g in asked] == [
+        (4, [("d", 0)]),
+        (0, [("f", 0)]),
+    ]
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"group": 1}, '"group" must be true'),
+        ({"group": "yes"}, '"group" must be true'),
+        ({"group": True, "limit": 3}, '"limit" is for the rows'),
+    ],
+)
+def test_bad_group(body, message):
+    with pytest.raises(ScoreError, match=message):
+        parse_body({"model": MODEL, "token_ids": [1, 2], **body})
+
+
+def test_group_false_or_null_is_rows():
+    for v in (False, None):
+        assert parse_body({"model": MODEL, "token_ids": [1], "group": v}).group is False
+    assert parse_body({"model": MODEL, "token_ids": [1], "group": True, "limit": None}).group
 
 
 def test_limit_keeps_the_first_rows():
@@ -212,3 +272,22 @@ def test_bools_among_token_ids_are_found_in_the_raw_body(text):
     body = '{"model": "m", "token_ids": ' + text.split(":")[-1].rstrip("}") + "}"
     with pytest.raises(ScoreError, match="token ids are ints"):
         parse_body(json.loads(body), body.encode())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "token_ids": [1, true], "group": true}',
+        b'{"model": "\\"token_ids", "token_ids": [1,false]}',
+        b'{"model": "m", "token\\u005fids": [true, 2]}',  # the key spelled with an escape
+        b'{"model": "m", "token_ids": [1, 2], "token_ids": [3, true]}',  # the last one counts
+    ],
+)
+def test_bools_are_found_whatever_else_the_body_holds(body):
+    with pytest.raises(ScoreError, match="token ids are ints"):
+        parse_body(json.loads(body), body)
+
+
+def test_true_elsewhere_in_the_body_is_not_a_bool_token():
+    body = b'{"model": "m", "token_ids": [1, 2, 3], "group": true}'
+    assert parse_body(json.loads(body), body).group is True
