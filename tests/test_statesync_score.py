@@ -282,3 +282,19 @@ def test_a_malformed_content_key_is_counted_not_a_crash(ck):
     snap, _, _ = CacheState.from_snapshot(doc)
     assert snap.content is not None and snap.content.skipped["unkeyed_on_load"] == 2
     assert snap.resident("a", 0) == s.state.resident("a", 0)
+
+
+def test_a_pod_serving_another_model_loses_its_keys_in_kv_state_too():
+    s = StateSync("ev")
+    toks = list(range(4))
+    h0, h1 = ehash("a", 4, toks), ehash("a", 4, [9, 9, 9, 9])
+    s.apply(
+        0, 0, 5, Record(Envelope("a", MODEL, 0, 1, 0, 0, 0.0), BlockStored([h0], None, toks, 4))
+    )
+    ev = BlockStored([h1], None, [9, 9, 9, 9], 4)
+    changes = dict(s.apply(0, 1, 6, Record(Envelope("a", "m2", 0, 1, 1, 0, 0.0), ev)))
+    old = json.loads(changes[b'["block","a",0,null,null,"%s"]' % h0.hex().encode()])
+    new = json.loads(changes[b'["block","a",0,null,null,"%s"]' % h1.hex().encode()])
+    assert "ck" not in old and "ck" in new  # h0's key was of the other model's chain
+    loaded, _ = load([*changes.items(), s.offsets_record()], "ev")
+    assert held_keys(loaded.state) == held_keys(s.state)
