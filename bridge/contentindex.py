@@ -26,10 +26,12 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from bridge.contentkeys import (
     KEY_HASH,
     chain,
+    key_from_hex,
     lora_of,
     pack_tokens,
     root_key,
@@ -41,7 +43,14 @@ StreamKey = tuple[str, int]
 Tier = tuple[str | None, int | None]
 Walk = tuple[int, list[tuple[int, int]], list[tuple[int, int]]]
 RECENT_KEYS = 1024  # per stream: keys of hashes that left every tier, kept for placeholders
-SKIP_REASONS = ("misaligned", "token_domain", "lookahead", "unchained", "unknown_hash")
+SKIP_REASONS = (
+    "misaligned",
+    "token_domain",
+    "lookahead",
+    "unchained",
+    "unknown_hash",
+    "unkeyed_on_load",  # a block loaded (kv-state, a snapshot) without its content key
+)
 
 
 def _set_bit(holders: dict[bytes, int], k: bytes, bit: int) -> bool:
@@ -375,6 +384,74 @@ class ContentIndex:
                     del sizes[bs]
             if not sizes:
                 del self.sizes[s.model]
+
+    # --- what kv-state and snapshots carry (and restore) ------------------------------------
+
+    def key_of(self, key: StreamKey, tier: Tier, h: bytes) -> bytes | None:
+        """The content key ``h`` has in ``tier`` of the stream (None: not indexed there)."""
+        s = self.streams.get(key)
+        slot = s.slots.get(tier) if s is not None else None
+        return slot.held.get(h) if slot is not None else None
+
+    def held(self, key: StreamKey, tier: Tier) -> dict[bytes, bytes] | None:
+        """The engine hash -> content key map of one tier of a stream (None: none yet)."""
+        s = self.streams.get(key)
+        slot = s.slots.get(tier) if s is not None else None
+        return slot.held if slot is not None else None
+
+    def pending_of(self, key: StreamKey) -> list[tuple[Tier, BlockStored]]:
+        """The parts so far of a split BlockStored of the stream (keyed at its last part)."""
+        s = self.streams.get(key)
+        return list(s.pending) if s is not None else []
+
+    def model_of(self, key: StreamKey) -> str | None:
+        s = self.streams.get(key)
+        return s.model if s is not None else None
+
+    def sizes_of(self, key: StreamKey) -> dict[str, object] | None:
+        """``{"block_size", "block_sizes"}`` of a stream the index knows (None otherwise): the
+        size of its last keyed store and of all of them, which scoring walks by."""
+        s = self.streams.get(key)
+        if s is None:
+            return None
+        return {"block_size": s.block_size, "block_sizes": sorted(s.block_sizes)}
+
+    def restore_sizes(
+        self, key: StreamKey, model: str, block_size: int, block_sizes: Iterable[int]
+    ) -> None:
+        """Give a loaded stream the block sizes :meth:`sizes_of` reported."""
+        s = self._stream(key, model)
+        for bs in sorted(set(block_sizes) | ({block_size} if block_size > 0 else set())):
+            if bs > 0:
+                self._set_size(s, bs)
+        s.block_size = block_size
+
+    def restore(self, key: StreamKey, model: str, tier: Tier, h: bytes, k: bytes) -> None:
+        """Index a loaded resident block ``h`` of ``tier`` under its saved content key."""
+        s = self._stream(key, model)
+        slot = self._slot(s, tier)
+        if h not in slot.held:
+            self._add(s, slot, h, k)
+
+    def load_key(self, key: StreamKey, model: Any, tier: Tier, h: bytes, ck: Any) -> None:
+        """:meth:`restore` from a saved key (hex); a block without one, with a malformed
+        one, or of a stream without a model is counted as ``unkeyed_on_load``."""
+        k = key_from_hex(ck)
+        if k is None or not isinstance(model, str):
+            self.skipped["unkeyed_on_load"] += 1
+            return
+        self.restore(key, model, tier, h, k)
+
+    def load_sizes(self, key: StreamKey, model: Any, doc: Any) -> None:
+        """:meth:`restore_sizes` from a saved :meth:`sizes_of`; ignored if malformed."""
+        if not isinstance(doc, dict) or not isinstance(model, str):
+            return
+        bs, sizes = doc.get("block_size"), doc.get("block_sizes")
+        if type(bs) is not int or not isinstance(sizes, list):
+            return
+        if not all(type(n) is int and n > 0 for n in sizes):
+            return
+        self.restore_sizes(key, model, bs, sizes)
 
     def forget_pod(self, pod: str) -> None:
         for key in [k for k in self.streams if k[0] == pod]:

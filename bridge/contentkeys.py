@@ -118,3 +118,15 @@ def chain(
         k = h.digest()
         out.append(k)
     return out
+
+
+def key_from_hex(text: Any) -> bytes | None:
+    """A content key saved as hex (kv-state's ``"ck"``, snapshots); None unless it is exactly
+    ``2 * KEY_BYTES`` hex digits."""
+    if not isinstance(text, str) or len(text) != 2 * KEY_BYTES:
+        return None
+    try:
+        k = bytes.fromhex(text)
+    except ValueError:
+        return None
+    return k if len(k) == KEY_BYTES else None

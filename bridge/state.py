@@ -54,7 +54,10 @@ from bridge.records import Record
 
 Tier = tuple[str | None, int | None]  # (medium, group_idx)
 SNAPSHOT_FORMAT = "kvbridge-state-snapshot"
-SNAPSHOT_VERSION = 2  # 2: copy counts ([hash, parent, copies]) and the policy; 1 still loads
+# 2: copy counts ([hash, parent, copies]) and the policy; 3: content keys ([hash, parent,
+# copies, key]) and each stream's block sizes ("content"). 1 and 2 still load (unkeyed).
+SNAPSHOT_VERSION = 3
+SNAPSHOT_VERSIONS = (1, 2, 3)
 POLICIES = ("count", "set", "hits")
 DEFAULT_POLICY = "count"
 
@@ -394,33 +397,40 @@ class CacheState:
         """A JSON document of the whole state, the topic and the per-partition next offsets it
         reflects (the records below those offsets are applied, none at or after)."""
         streams = []
+        content = self.content
         for (pod, rank), st in sorted(self.streams.items()):
-            streams.append(
-                {
-                    "pod": pod,
-                    "model": self.models.get(pod),
-                    "dp_rank": rank,
-                    "epoch": st.epoch,
-                    "last_seq": st.last_seq,
-                    "last_index": st.last_index,
-                    "last_part": st.last_part,
-                    "uncertain": st.uncertain,
-                    "lost_batches": st.lost_batches,
-                    "cleared_at": st.cleared_at,
-                    "lost_to": st.lost_to,
-                    "tiers": [
-                        {
-                            "medium": medium,
-                            "group_idx": group,
-                            # [hash, parent(, copies if > 1)] in insertion order (hex; parent
-                            # null when unknown)
-                            "blocks": _blocks_doc(blocks, st.copies.get((medium, group))),
-                        }
-                        for (medium, group), blocks in sorted(st.tiers.items(), key=_tier_order)
-                        if blocks
-                    ],
-                }
-            )
+            sizes = content.sizes_of((pod, rank)) if content is not None else None
+            doc: dict[str, Any] = {
+                "pod": pod,
+                "model": self.models.get(pod),
+                "dp_rank": rank,
+                "epoch": st.epoch,
+                "last_seq": st.last_seq,
+                "last_index": st.last_index,
+                "last_part": st.last_part,
+                "uncertain": st.uncertain,
+                "lost_batches": st.lost_batches,
+                "cleared_at": st.cleared_at,
+                "lost_to": st.lost_to,
+                "tiers": [
+                    {
+                        "medium": medium,
+                        "group_idx": group,
+                        # [hash, parent(, copies(, content key))] in insertion order (hex;
+                        # parent null when unknown; copies given when > 1 or a key follows)
+                        "blocks": _blocks_doc(
+                            blocks,
+                            st.copies.get((medium, group)),
+                            content.held((pod, rank), (medium, group)) if content else None,
+                        ),
+                    }
+                    for (medium, group), blocks in sorted(st.tiers.items(), key=_tier_order)
+                    if blocks
+                ],
+            }
+            if sizes is not None:
+                doc["content"] = sizes  # the block sizes scoring walks by
+            streams.append(doc)
         return {
             "format": SNAPSHOT_FORMAT,
             "version": SNAPSHOT_VERSION,
@@ -446,16 +456,18 @@ class CacheState:
     def from_snapshot(
         cls, doc: dict[str, Any], policy: str | None = None
     ) -> tuple[CacheState, str, dict[int, int]]:
-        """(state, topic, next offsets) from a :meth:`snapshot` document (version 1 or 2).
+        """(state, topic, next offsets) from a :meth:`snapshot` document (versions 1 to 3;
+        blocks of versions 1 and 2 carry no content keys: counted ``unkeyed_on_load``).
 
         ``policy``: the policy to continue with; None takes the snapshot's (version 1
         snapshots, which kept no copies, continue with the default)."""
         if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT:
             raise SnapshotError("not a kvbridge state snapshot (written by replay --snapshot)")
-        if doc.get("version") not in (1, SNAPSHOT_VERSION):
+        if doc.get("version") not in SNAPSHOT_VERSIONS:
             raise SnapshotError(
                 f"snapshot version {doc.get('version')!r} is not supported (this kvbridge "
-                f"reads versions 1 and {SNAPSHOT_VERSION}); rebuild it with this version's replay"
+                f"reads versions {', '.join(map(str, SNAPSHOT_VERSIONS))}); rebuild it with "
+                "this version's replay"
             )
         saved = doc.get("policy")
         if policy is not None and saved is not None and saved != policy:
@@ -480,6 +492,11 @@ class CacheState:
                     cleared_at=int(s.get("cleared_at", -1)),
                     lost_to=int(s.get("lost_to", -1)),
                 )
+                sk = (s["pod"], int(s["dp_rank"]))
+                content = state.content
+                model = state.models.get(sk[0])
+                if content is not None and model is not None:
+                    content.load_sizes(sk, model, s.get("content"))
                 for t in s["tiers"]:
                     tier_key = (t["medium"], t["group_idx"])
                     for b in t["blocks"]:
@@ -487,7 +504,10 @@ class CacheState:
                         st.store(tier_key, [h], p)
                         if len(b) > 2 and int(b[2]) > 1:
                             st.set_copies(tier_key, h, int(b[2]))
-                state.streams[(s["pod"], int(s["dp_rank"]))] = st
+                        if content is not None:
+                            ck = b[3] if len(b) > 3 else None
+                            content.load_key(sk, model, tier_key, h, ck)
+                state.streams[sk] = st
             offsets = {int(p): int(o) for p, o in doc["offsets"].items()}
             topic = str(doc["topic"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -536,13 +556,18 @@ def _by_medium(st: StreamState) -> dict[str, int]:
 
 
 def _blocks_doc(
-    blocks: dict[bytes, bytes | None], copies: dict[bytes, int] | None
+    blocks: dict[bytes, bytes | None],
+    copies: dict[bytes, int] | None,
+    held: dict[bytes, bytes] | None,
 ) -> list[list[Any]]:
     out: list[list[Any]] = []
     for h, p in blocks.items():
         entry: list[Any] = [h.hex(), None if p is None else p.hex()]
         n = copies.get(h, 1) if copies else 1
-        if n > 1:
+        k = held.get(h) if held else None
+        if n > 1 or k is not None:
             entry.append(n)
+        if k is not None:
+            entry.append(k.hex())
         out.append(entry)
     return out

@@ -4,11 +4,13 @@ kv-state mirrors a :class:`~bridge.state.CacheState` as one Kafka record per fac
 compaction keeps exactly the current state:
 
 - ``["block", pod, rank, medium, group_idx, hash_hex]`` -> ``{"parent": hex|null, "epoch": E}``
-  for every resident block, plus ``"copies": n`` where the state counts more than one; a
+  for every resident block, plus ``"copies": n`` where the state counts more than one and
+  ``"ck": hex`` (its content key, :mod:`bridge.contentindex`) where the index keyed it; a
   tombstone (null value) when it leaves the cache (BlockRemoved, AllBlocksCleared,
   StreamStarted/PublisherRestarted, PodRemoved).
 - ``["stream", pod, rank]`` -> the stream's metadata (model, epoch, last_seq, uncertain,
-  lost_batches, tiers, the Kafka timestamp of its last record); a tombstone on PodRemoved.
+  lost_batches, tiers, the Kafka timestamp of its last record, and ``"content"``: the block
+  sizes scoring walks by); a tombstone on PodRemoved.
 - ``["offsets"]`` -> ``{"topic", "partitions": {"<p>": {"next_offset", "counts", "markers"}}}``:
   per kv-events partition, the next offset the state reflects and that partition's share of
   ``CacheState.applied``, ``.duplicates`` and ``.markers``. One record for all partitions,
@@ -60,10 +62,15 @@ def stream_key(pod: str, rank: int) -> bytes:
 OFFSETS_KEY = _dump(["offsets"])
 
 
-def block_value(parent: bytes | None, epoch: int | None, copies: int = 1) -> bytes:
+def block_value(
+    parent: bytes | None, epoch: int | None, copies: int = 1, ck: bytes | None = None
+) -> bytes:
+    """A resident block's value; ``ck``: its content key, where the content index has one."""
     value: dict[str, Any] = {"parent": None if parent is None else parent.hex(), "epoch": epoch}
     if copies > 1:
         value["copies"] = copies
+    if ck is not None:
+        value["ck"] = ck.hex()
     return _dump(value)
 
 
@@ -83,6 +90,9 @@ def stream_meta(state: CacheState, key: StreamKey, last_ts_ms: int | None) -> di
     # Tiers that exist but are empty (CacheState keeps them) are reproduced too.
     meta["tiers"] = sorted(([m, g] for m, g in st.tiers), key=lambda t: (str(t[0]), str(t[1])))
     meta["last_ts_ms"] = last_ts_ms
+    sizes = state.content.sizes_of(key) if state.content is not None else None
+    if sizes is not None:
+        meta["content"] = sizes
     return meta
 
 
@@ -103,15 +113,17 @@ class StateSync:
 
     def _snapshot(self, keys: list[StreamKey]) -> dict[bytes, bytes]:
         out = {}
+        content = self.state.content
         for pod, rank in keys:
             st = self.state.streams.get((pod, rank))
             if st is None:
                 continue
             for (medium, group), blocks in st.tiers.items():
                 copies = st.copies.get((medium, group)) or {}
+                held = content.held((pod, rank), (medium, group)) if content is not None else None
                 for h, parent in blocks.items():
                     out[block_key(pod, rank, medium, group, h)] = block_value(
-                        parent, st.epoch, copies.get(h, 1)
+                        parent, st.epoch, copies.get(h, 1), held.get(h) if held else None
                     )
         return out
 
@@ -122,21 +134,42 @@ class StateSync:
         key = (env.pod, env.dp_rank)
         state = self.state
         changes: list[Change] = []
-        if isinstance(ev, BlockStored | BlockRemoved):
+        content = state.content
+        # A pod now serving another model loses its content keys: diffed as a whole stream.
+        remodel = content is not None and content.model_of(key) not in (None, env.model)
+        if isinstance(ev, BlockStored | BlockRemoved) and not remodel:
             tier_key = (ev.medium, ev.group_idx)
             st = state.streams.get(key)
             epoch = st.epoch if st is not None else None
-            before = {h: _block_fact(st, tier_key, h) for h in ev.block_hashes}
+            held = content.held(key, tier_key) if content is not None else None
+            before = {h: _block_fact(st, tier_key, h, held) for h in ev.block_hashes}
+            # The last part of a split BlockStored keys the earlier parts' blocks too.
+            parts = (
+                content.pending_of(key)
+                if content is not None
+                and type(ev) is BlockStored
+                and env.parts > 1
+                and env.part == env.parts - 1
+                else []
+            )
             self._apply(partition, rec)
             st = state.streams[key]
+            held = content.held(key, tier_key) if content is not None else None
             for h, old in before.items():
-                new = _block_fact(st, tier_key, h)
+                new = _block_fact(st, tier_key, h, held)
                 if new is _MISSING:
                     if old is not _MISSING:
                         changes.append((block_key(*key, *tier_key, h), None))
                 elif old is _MISSING or old != new or st.epoch != epoch:
-                    value = block_value(new[0], st.epoch, new[1])
+                    value = block_value(new[0], st.epoch, new[1], new[2])
                     changes.append((block_key(*key, *tier_key, h), value))
+            for t, part in parts:
+                held = content.held(key, t) if content is not None else None
+                for h in part.block_hashes:
+                    new = _block_fact(st, t, h, held)
+                    if new is not _MISSING and new[2] is not None:
+                        value = block_value(new[0], st.epoch, new[1], new[2])
+                        changes.append((block_key(*key, *t, h), value))
             affected = [key]
         elif isinstance(ev, EventsLost | UnknownEvent):
             self._apply(partition, rec)  # no block changes
@@ -263,12 +296,15 @@ class StateTopicError(ValueError):
     """kv-state holds something a loader cannot use (e.g. offsets of another topic)."""
 
 
-def _block_fact(st: StreamState | None, tier_key: Any, h: bytes) -> Any:
-    """(parent, copies) of a resident block, or _MISSING."""
+def _block_fact(
+    st: StreamState | None, tier_key: Any, h: bytes, held: dict[bytes, bytes] | None
+) -> Any:
+    """(parent, copies, content key or None) of a resident block, or _MISSING; ``held``: the
+    tier's content keys (:meth:`ContentIndex.held`)."""
     tier = st.tiers.get(tier_key) if st is not None else None
     if not tier or h not in tier:
         return _MISSING
-    return tier[h], st.copies_of(tier_key, h)  # type: ignore[union-attr]
+    return tier[h], st.copies_of(tier_key, h), held.get(h) if held else None  # type: ignore[union-attr]
 
 
 def load(
@@ -333,6 +369,8 @@ def load(
                     state.models[sk[0]] = value["model"]
                 if value.get("last_ts_ms") is not None:
                     sync.last_ts_ms[sk] = int(value["last_ts_ms"])
+                if state.content is not None and value.get("model") is not None:
+                    state.content.load_sizes(sk, value["model"], value.get("content"))
             elif kind == "offsets":
                 if value["topic"] != events_topic:
                     raise StateTopicError(
@@ -365,6 +403,9 @@ def load(
         st.store((medium, group), [h], parent)
         if copies > 1:
             st.set_copies((medium, group), h, copies)
+        if state.content is not None:
+            model = state.models.get(pod)
+            state.content.load_key((pod, rank), model, (medium, group), h, value.get("ck"))
     state.streams = dict(sorted(state.streams.items()))
     for name in COUNTERS:
         if hasattr(state, name):

@@ -5,7 +5,9 @@ LoRA adapters, carry images and cache salts, and offload to a CPU tier; one pod 
 hashes, one raw digests, one has two DP ranks, one is a release before ``lora_name`` and
 ``extra_keys``. Once the topic holds what they sent, every prompt any pod served is scored
 over HTTP and each stream's answer is compared with the simulator's truth: how many leading
-tokens of that prompt each tier of that engine holds.
+tokens of that prompt each tier of that engine holds. A second server, started after
+``kvbridge state-sync`` has written the compacted kv-state topic, bootstraps from it
+(``--state-topic``) and answers every score as the server that read kv-events from its start.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import pytest
 from bridge_util import running_bridge, wait_topic_agrees
-from e2e_util import Proc, free_port_block, wait_for
+from e2e_util import Proc, free_port_block, run_cli, wait_for
 
 from bridge.config import PodConfig
 from bridge.contentindex import tier_name
@@ -88,28 +90,47 @@ def served(kafka_bootstrap, kafka_admin, tmp_path_factory):
         truth = {
             (key, pr): pub.resident_prefix(pr) for key, pub in publishers.items() for pr in prompts
         }
-    port = free_port_block(1)
-    args = f"state --serve --port {port} --bootstrap-servers {kafka_bootstrap} --topic {topic}"
-    proc = Proc(args.split(), tmp_path_factory.mktemp("score") / "serve.log")
+    state_topic = f"{topic}-state"
+    sync = run_cli(
+        ["state-sync", "--bootstrap-servers", kafka_bootstrap, "--topic", topic]
+        + ["--state-topic", state_topic, "--until-caught-up"]
+    )
+    assert sync.returncode == 0, sync.stderr
+    port = free_port_block(2)
+    boot_port = port + 1
+    logs = tmp_path_factory.mktemp("score")
+    args = f"state --serve --bootstrap-servers {kafka_bootstrap} --topic {topic} --port"
+    proc = Proc([*args.split(), str(port)], logs / "serve.log")
+    boot = Proc([*args.split(), str(boot_port), "--state-topic", state_topic], logs / "boot.log")
     try:
+        for p, pt in ((proc, port), (boot, boot_port)):
 
-        def ready() -> bool:
-            assert proc.alive(), proc.output()
-            try:
-                return http(port, "/readyz")[0] == 200
-            except OSError:
-                return False
+            def ready(p: Proc = p, pt: int = pt) -> bool:
+                assert p.alive(), p.output()
+                try:
+                    return http(pt, "/readyz")[0] == 200
+                except OSError:
+                    return False
 
-        wait_for(ready, 60, "kvbridge state --serve to be ready")
-        yield {"port": port, "prompts": prompts, "truth": truth, "block_size": block_size}
+            wait_for(ready, 60, "kvbridge state --serve to be ready")
+        yield {
+            "port": port,
+            "boot_port": boot_port,
+            "state_topic": state_topic,
+            "boot_log": boot.output,
+            "prompts": prompts,
+            "truth": truth,
+            "block_size": block_size,
+        }
     finally:
-        code = proc.stop()
-    assert code == 0, proc.output()
+        codes = proc.stop(), boot.stop()
+    assert codes == (0, 0), (proc.output(), boot.output())
 
 
-def test_score_equals_what_each_engine_holds(served):
+@pytest.mark.parametrize("which", ["port", "boot_port"])
+def test_score_equals_what_each_engine_holds(served, which):
     port, prompts, truth, bs = (
-        served["port"],
+        served[which],
         served["prompts"],
         served["truth"],
         served["block_size"],
@@ -189,3 +210,21 @@ def test_score_filters_pods_and_refuses_bad_requests(served):
     assert status == 200 and len(whole["pods"]) > 1
     assert [r["pod"] for r in doc["pods"]] == [whole["pods"][0]["pod"]]
     assert doc["pods"][0]["tokens"] == whole["pods"][0]["tokens"]
+
+
+def test_the_server_bootstrapped_from_kv_state_scores_as_the_one_that_replayed(served):
+    port, boot = served["port"], served["boot_port"]
+    assert f"loaded {served['state_topic']}: 5 streams" in served["boot_log"]()
+    assert http(boot, "/readyz")[1]["records_consumed"] == 0  # all of it from kv-state
+
+    def rows(p: int, pr: Prompt) -> list[dict[str, Any]]:
+        status, doc = http(p, "/score", query(pr))
+        assert status == 200, doc
+        return [{k: v for k, v in r.items() if k != "staleness_s"} for r in doc["pods"]]
+
+    held = 0
+    for pr in served["prompts"]:
+        want = rows(port, pr)
+        assert rows(boot, pr) == want, pr
+        held += any(r["any_tier_tokens"] for r in want)
+    assert held > 100

@@ -395,12 +395,16 @@ def test_records_of_an_older_epoch_are_not_applied():
     assert s.stale == 3 and s.summary()["stale_skipped"] == 3
 
 
-def test_snapshots_keep_copies_and_version_1_still_loads():
+def test_snapshots_keep_copies_and_versions_1_and_2_still_load():
     s = CacheState()
     s.apply(rec(stored([H[0], H[1]]), seq=0))
     s.apply(rec(stored([H[1]], H[0]), seq=1))
     doc = json.loads(json.dumps(s.snapshot("t", {0: 2})))
-    assert doc["version"] == 2 and doc["policy"] == "count"
+    assert doc["version"] == 3 and doc["policy"] == "count"
+    v2, _, _ = CacheState.from_snapshot(dict(doc, version=2))
+    assert v2.resident("p", 0) == s.resident("p", 0)
+    with pytest.raises(SnapshotError, match="reads versions 1, 2, 3"):
+        CacheState.from_snapshot(dict(doc, version=4))
     again, _, _ = CacheState.from_snapshot(doc)
     assert again.streams[("p", 0)].copies_of(("GPU", 0), H[1]) == 2
     with pytest.raises(SnapshotError, match="state-policy count, not set"):
