@@ -130,17 +130,24 @@ def _staleness(last_ts_ms: dict[StreamKey, int], key: StreamKey, now_ms: int) ->
 
 def pods_view(state: CacheState, last_ts_ms: dict[StreamKey, int], now_ms: int) -> dict[str, Any]:
     """The /pods document: the state's summary per stream, with its staleness (seconds since
-    the Kafka timestamp of the stream's last record)."""
+    the Kafka timestamp of the stream's last record); and the content index's counts of
+    blocks /score sees and of those it does not, by reason (docs/consumers.md)."""
     s = state.summary()
     for e in s["streams"]:
         key = (e["pod"], e["dp_rank"])
         e["last_record_ms"] = last_ts_ms.get(key)
         e["staleness_s"] = _staleness(last_ts_ms, key, now_ms)
-    return {
+    doc = {
         "records_applied": s["records_applied"],
         "markers": s["markers"],
         "pods": s["streams"],
     }
+    if state.content is not None:  # what /score can see, and what it cannot (by reason)
+        doc["content_index"] = {
+            "indexed_blocks": state.content.indexed_blocks(),
+            "not_indexed": dict(sorted(state.content.skipped.items())),
+        }
+    return doc
 
 
 def prefix_view(

@@ -108,6 +108,24 @@ def test_prefix_ranking_longest_first_certain_before_uncertain():
     assert doc["matches"][2]["staleness_s"] == 2.5 and doc["matches"][0]["staleness_s"] is None
 
 
+def test_pods_counts_what_score_can_and_cannot_see():
+    state = CacheState()
+    toks = list(range(8))
+    stored = [
+        BlockStored(H[:2], None, toks, 4),  # keyed: 2 blocks
+        BlockStored(H[2:4], None, toks[:7], 4),  # 7 tokens for 2 blocks of 4: misaligned
+        BlockStored(H[4:5], H[2], toks[:4], 4),  # its parent has no key: unchained
+    ]
+    for seq, ev in enumerate(stored):
+        state.apply(Record(Envelope("a", "m", 0, 1, seq, 0, 0.0), ev))
+    doc = pods_view(state, {}, 0)
+    assert doc["content_index"] == {
+        "indexed_blocks": 2,
+        "not_indexed": {"misaligned": 2, "unchained": 1},
+    }
+    assert "content_index" not in pods_view(CacheState(content=False), {}, 0)
+
+
 # --- on a broker ----------------------------------------------------------------------------
 
 
