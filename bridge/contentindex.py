@@ -26,6 +26,9 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from functools import reduce
+from itertools import compress, islice
+from operator import or_
 
 from bridge.contentkeys import (
     KEY_HASH,
@@ -42,6 +45,8 @@ Tier = tuple[str | None, int | None]
 Walk = tuple[int, list[tuple[int, int]], list[tuple[int, int]]]
 RECENT_KEYS = 1024  # per stream: keys of hashes that left every tier, kept for placeholders
 SKIP_REASONS = ("misaligned", "token_domain", "lookahead", "unchained", "unknown_hash")
+MEMO = 4096  # entries per memo of masks; the oldest eighth goes when one is full
+_SELECT = bytes.maketrans(b"01", b"\0\1")
 
 
 def _set_bit(holders: dict[bytes, int], k: bytes, bit: int) -> bool:
@@ -125,6 +130,20 @@ def tier_name(tier: Tier) -> str:
     return name if not group else f"{name}/{group}"
 
 
+def _select(m: int) -> bytes:
+    """Bit i of ``m`` (>= 0) as byte i (0 or 1): a selector for :func:`itertools.compress`,
+    which then picks the entries of a list indexed by bit at C speed, in bit order."""
+    return bin(m)[:1:-1].encode().translate(_SELECT)
+
+
+def _remember(memo: dict, k: int, v: object) -> None:
+    """``memo[k] = v``, first dropping the oldest eighth of a full memo (no cliff)."""
+    if len(memo) >= MEMO:
+        for old in list(islice(memo, MEMO // 8 or 1)):
+            del memo[old]
+    memo[k] = v
+
+
 def _bit_list(m: int) -> list[int]:
     """The set bits of ``m`` (>= 0), via its binary text for dense masks."""
     if not m & (m - 1):
@@ -140,6 +159,12 @@ class ContentIndex:
     def __init__(self) -> None:
         self.slot_holders: dict[bytes, int] = {}
         self._owner_bit: list[int] = []  # slot bit -> its stream's bit
+        self._owner_one: list[int] = []  # slot bit -> 1 << its stream's bit
+        self._owner_key: list[StreamKey | None] = []  # slot bit -> its stream's key
+        self._key_by_bit: list[StreamKey | None] = []  # stream bit -> its key
+        # Stream bits ascend with the keys (keys_of then needs no sort); False after a
+        # stream came out of order: walk and stream_mask renumber first (_renumber).
+        self._ordered = True
         self._streams_of: dict[int, int] = {}  # memo: slot mask -> stream mask
         # memos: stream mask -> stream keys; slot mask -> (owner key, tier name) per slot
         self._stream_keys: dict[int, list[StreamKey]] = {}
@@ -170,14 +195,47 @@ class ContentIndex:
             self.forget_stream(key)
             s = None
         if s is None:
-            bit = self._free_stream_bits.pop() if self._free_stream_bits else len(self._stream_bits)
+            bits = self._stream_bits
+            bit = self._free_stream_bits.pop() if self._free_stream_bits else len(bits)
             s = _Stream(key, bit, model)
-            if bit == len(self._stream_bits):
-                self._stream_bits.append(s)
+            if bit == len(bits):
+                bits.append(s)
+                self._key_by_bit.append(key)
             else:
-                self._stream_bits[bit] = s
+                bits[bit] = s
+                self._key_by_bit[bit] = key
+            if self._ordered and not self._in_order(bit, key):
+                self._ordered = False
             self.streams[key] = s
         return s
+
+    def _in_order(self, bit: int, key: StreamKey) -> bool:
+        """Whether ``key`` at ``bit`` is between the keys of the nearest streams around it."""
+        keys = self._key_by_bit
+        for b in range(bit - 1, -1, -1):
+            if keys[b] is not None:
+                if keys[b] > key:  # type: ignore[operator]
+                    return False
+                break
+        for b in range(bit + 1, len(keys)):
+            if keys[b] is not None:
+                return keys[b] > key  # type: ignore[operator]
+        return True
+
+    def _renumber(self) -> None:
+        """Stream bits given again in key order (memos of stream masks are then void)."""
+        live = sorted(self.streams.values(), key=lambda s: s.key)
+        for bit, s in enumerate(live):
+            s.bit = bit
+        self._stream_bits = list(live)
+        self._key_by_bit = [s.key for s in live]
+        self._free_stream_bits = []
+        for s in live:
+            for slot in s.slots.values():
+                self._owner_bit[slot.bit] = s.bit
+                self._owner_one[slot.bit] = 1 << s.bit
+        self._forget_memos()
+        self._ordered = True
 
     def _slot(self, s: _Stream, tier: Tier) -> _Slot:
         slot = s.slots.get(tier)
@@ -188,9 +246,13 @@ class ContentIndex:
             if bit == len(self._slot_bits):
                 self._slot_bits.append(slot)
                 self._owner_bit.append(s.bit)
+                self._owner_one.append(1 << s.bit)
+                self._owner_key.append(s.key)
             else:
                 self._slot_bits[bit] = slot
                 self._owner_bit[bit] = s.bit
+                self._owner_one[bit] = 1 << s.bit
+                self._owner_key[bit] = s.key
                 self._forget_memos()
         return slot
 
@@ -363,9 +425,11 @@ class ContentIndex:
             for h in list(slot.held):
                 self._drop(s, slot, h)
             self._slot_bits[slot.bit] = None
+            self._owner_key[slot.bit] = None
             self._free_slot_bits.append(slot.bit)
         self._forget_memos()
         self._stream_bits[s.bit] = None
+        self._key_by_bit[s.bit] = None
         self._free_stream_bits.append(s.bit)
         sizes = self.sizes.get(s.model)
         if sizes is not None:
@@ -396,21 +460,26 @@ class ContentIndex:
     def _keys_of(self, streams: int) -> list[StreamKey]:
         r = self._stream_keys.get(streams)
         if r is None:
-            bits = self._stream_bits
-            r = sorted(bits[b].key for b in _bit_list(streams))  # type: ignore[union-attr]
-            if len(self._stream_keys) >= 4096:
-                self._stream_keys.clear()
-            self._stream_keys[streams] = r
+            keys = self._key_by_bit
+            if not streams & (streams - 1):
+                r = [keys[streams.bit_length() - 1]] if streams else []  # type: ignore[list-item]
+            else:
+                r = list(compress(keys, _select(streams)))  # type: ignore[arg-type]
+                if not self._ordered:  # a stream added since the last walk: bits not in order
+                    r.sort()
+            _remember(self._stream_keys, streams, r)
         return r
 
     def _owners_of(self, slots: int) -> list[StreamKey]:
+        """The owners of the slots of ``slots``, in slot bit order (memoized)."""
         r = self._slot_owners.get(slots)
         if r is None:
-            bits = self._slot_bits
-            r = [bits[b].owner for b in _bit_list(slots)]  # type: ignore[union-attr]
-            if len(self._slot_owners) >= 4096:
-                self._slot_owners.clear()
-            self._slot_owners[slots] = r
+            owners = self._owner_key
+            if not slots & (slots - 1):
+                r = [owners[slots.bit_length() - 1]] if slots else []  # type: ignore[list-item]
+            else:
+                r = list(compress(owners, _select(slots)))  # type: ignore[arg-type]
+            _remember(self._slot_owners, slots, r)
         return r
 
     def _tier_masks(self) -> list[tuple[str, int]]:
@@ -429,26 +498,25 @@ class ContentIndex:
         if r is None:
             bits = self._slot_bits
             r = [(bits[b].owner, bits[b].name) for b in _bit_list(slots)]  # type: ignore[union-attr]
-            if len(self._slot_names) >= 4096:
-                self._slot_names.clear()
-            self._slot_names[slots] = r
+            _remember(self._slot_names, slots, r)
         return r
 
     def streams_of(self, slots: int) -> int:
         """The stream bits owning the slot bits of ``slots`` (memoized)."""
         r = self._streams_of.get(slots)
         if r is None:
-            r = 0
-            owner = self._owner_bit
-            for b in _bits(slots):
-                r |= 1 << owner[b]
-            if len(self._streams_of) >= 4096:
-                self._forget_memos()
-            self._streams_of[slots] = r
+            one = self._owner_one
+            if not slots & (slots - 1):
+                r = one[slots.bit_length() - 1] if slots else 0
+            else:
+                r = reduce(or_, compress(one, _select(slots)), 0)
+            _remember(self._streams_of, slots, r)
         return r
 
     def stream_mask(self, keys: Iterable[StreamKey]) -> tuple[int, int]:
         """(slot bits, stream bits) of the given streams: a query's ``pods`` filter."""
+        if not self._ordered:
+            self._renumber()
         slots = streams = 0
         for key in keys:
             s = self.streams.get(key)
@@ -477,6 +545,8 @@ class ContentIndex:
         sizes = self.sizes.get(model)
         if not sizes:
             return out
+        if not self._ordered:
+            self._renumber()
         n_tokens = len(tokens) // 4
         holders_get = self.slot_holders.get
         streams_of = self.streams_of

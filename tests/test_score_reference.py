@@ -12,9 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.score_before import score_before
+from bridge import contentindex
 from bridge.contentkeys import chain, lora_of, pack_tokens, query_extras, root_key
 from bridge.events import BlockRemoved, BlockStored
-from bridge.markers import EventsLost
+from bridge.markers import EventsLost, PodRemoved, StreamStarted
 from bridge.records import Envelope, Record
 from bridge.score import ScoreError, make_request, parse_body, score
 from bridge.state import CacheState
@@ -89,7 +90,7 @@ ops = st.lists(
     st.tuples(
         st.sampled_from(PODS),
         st.integers(0, 1),  # dp rank
-        st.sampled_from(("store", "store", "store", "remove", "lost")),
+        st.sampled_from(("store", "store", "store", "remove", "lost", "restart", "gone")),
         st.integers(0, 2),  # prompt
         st.integers(1, 40),  # tokens of it
         st.sampled_from(MEDIA),
@@ -99,9 +100,13 @@ ops = st.lists(
 )
 
 
-def build(prompt_list, op_list, sizes, lora: bool) -> CacheState:
-    state = CacheState()
-    seq: dict[tuple[str, int], int] = {}
+def build(
+    prompt_list, op_list, sizes, lora: bool, state: CacheState | None = None, seq=None
+) -> CacheState:
+    """The fleet of ``op_list`` (applied to ``state``, with its ``seq`` per stream, if given);
+    a "restart" is a StreamStarted (the stream forgotten), "gone" a PodRemoved."""
+    state = CacheState() if state is None else state
+    seq = {} if seq is None else seq
     for pod, rank, kind, p, n, medium, which in op_list:
         toks = prompt_list[p % len(prompt_list)]
         bs = sizes[PODS.index(pod) % len(sizes)]
@@ -124,6 +129,10 @@ def build(prompt_list, op_list, sizes, lora: bool) -> CacheState:
             )
         elif kind == "remove" and hashes:
             ev = BlockRemoved([hashes[which % len(hashes)]], medium=medium)
+        elif kind in ("restart", "gone"):
+            mark: Any = StreamStarted(0, "tcp://x") if kind == "restart" else PodRemoved("scaled")
+            state.apply(Record(Envelope(pod, MODEL, rank, 1, seq[k], -1, 0.0), mark))
+            continue
         elif kind == "lost":
             ev = EventsLost(from_seq=seq[k], to_seq=seq[k], reason="gap")
             seq[k] += 1
@@ -163,6 +172,61 @@ def test_score_equals_the_reference_and_the_code_before(
         before = before[:limit]
     # the same rows in the same order, the tiers in the same order (the JSON text)
     assert json.dumps(got) == json.dumps(before)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt_list=prompts,
+    first=ops,
+    then=ops,
+    queries=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(1, 40), st.lists(st.integers(0, 3), max_size=4)),
+        min_size=1,
+        max_size=4,
+    ),
+    memo=st.sampled_from([1, 2, 4096]),
+)
+def test_score_after_more_changes_equals_the_reference(prompt_list, first, then, queries, memo):
+    """Memos filled by queries, then streams added, forgotten (bits freed and given again,
+    stream bits renumbered in key order) and changed: the next answers are still right,
+    with memos of any size (the oldest entries evicted)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(contentindex, "MEMO", memo)
+        seq: dict = {}
+        state = build(prompt_list, first, (4,), False, seq=seq)
+        for ops_now in ([], then):
+            build(prompt_list, ops_now, (4,), False, state, seq)
+            for p, n, tail in queries:
+                toks = prompt_list[p % len(prompt_list)][:n] + tail
+                req = make_request(MODEL, toks)
+                got = score(state, req)
+                assert got == reference(state, req)
+                assert json.dumps(got) == json.dumps(score_before(state, req))
+        content = state.content
+        assert content is not None
+        assert all(len(m) <= max(memo, 1) for m in (content._streams_of, content._stream_keys))
+
+
+def test_keys_of_is_sorted_before_a_walk_renumbers():
+    """A stream added with a key below the others': until a walk gives the bits again in
+    key order, keys_of sorts; after it, the bits ascend with the keys."""
+    state = CacheState()
+    prompt = list(range(8))
+    for pod in ("b", "c", "a"):
+        ev = BlockStored([f"{pod}0".encode()], None, prompt[:4], 4, medium="GPU")
+        state.apply(Record(Envelope(pod, MODEL, 0, 1, 1, 0, 0.0), ev))
+    content = state.content
+    assert content is not None
+    everyone = content.stream_mask(list(state.streams))[1]  # renumbers
+    assert content.keys_of(everyone) == [("a", 0), ("b", 0), ("c", 0)]
+    assert [content.streams[(p, 0)].bit for p in "abc"] == [0, 1, 2]
+    ev = BlockStored([b"A0"], None, prompt[:4], 4, medium="GPU")
+    state.apply(Record(Envelope("A", MODEL, 0, 1, 1, 0, 0.0), ev))  # "A" < "a": out of order
+    assert content.streams[("A", 0)].bit == 3
+    assert content.keys_of(everyone | 1 << 3) == [("A", 0), ("a", 0), ("b", 0), ("c", 0)]
+    rows = score(state, make_request(MODEL, prompt))
+    assert [r["pod"] for r in rows] == ["A", "a", "b", "c"]
+    assert [content.streams[(p, 0)].bit for p in "Aabc"] == [0, 1, 2, 3]
 
 
 def test_limit_keeps_the_first_rows():
