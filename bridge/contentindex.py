@@ -24,7 +24,7 @@ of pods.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from functools import reduce
 from itertools import compress, islice
@@ -604,33 +604,72 @@ class ContentIndex:
         """The keys of the streams of a stream mask, sorted (memoized)."""
         return self._keys_of(streams)
 
-    def tiers_of(
-        self, block_size: int, slot_drops: list[tuple[int, int]]
-    ) -> dict[StreamKey, dict[str, int]]:
-        """Per stream of a walk's slot drops: ``{tier name: leading tokens}``, in name order
-        (tier by tier over the drops' masks: O(drops x tiers + matching slots))."""
-        out: dict[StreamKey, dict[str, int]] = {}
-        get = out.get
-        first = True  # no stream has an entry yet: no lookups needed
+    def _tier_parts(self, block_size: int, slot_drops: list[tuple[int, int]]) -> list[list]:
+        """The streams of a walk's slot drops split into parts of equal tokens per tier:
+        ``[stream mask, {tier name: leading tokens}]`` (names in order), the masks disjoint.
+        Tier by tier over the drops' masks: O(drops x tiers) mask operations."""
+        parts: list[list] = []
+        streams_of = self.streams_of
         for name, in_tier in self._tier_masks():
-            hit = False
             for n, mask in slot_drops:
                 m = mask & in_tier
                 if not n or not m:
                     continue
                 t = n * block_size
-                hit = True
-                if first:  # a stream has one slot per tier name
-                    out.update({owner: {name: t} for owner in self._owners_of(m)})
-                    continue
-                for owner in self._owners_of(m):
-                    d = get(owner)
-                    if d is None:
-                        out[owner] = {name: t}
-                    else:
-                        d[name] = t
-            first = first and not hit
+                s = streams_of(m)  # a stream has one slot per tier name
+                grown = []
+                for part in parts:
+                    both = part[0] & s
+                    if both:
+                        if both == part[0]:
+                            part[1] = {**part[1], name: t}
+                        else:
+                            part[0] ^= both
+                            grown.append([both, {**part[1], name: t}])
+                        s ^= both
+                        if not s:
+                            break
+                parts += grown
+                if s:
+                    parts.append([s, {name: t}])
+        return parts
+
+    def tiers_of(
+        self, block_size: int, slot_drops: list[tuple[int, int]]
+    ) -> dict[StreamKey, dict[str, int]]:
+        """Per stream of a walk's slot drops: ``{tier name: leading tokens}``, in name order.
+        Streams with equal tokens per tier share one dict (the answer's users never change
+        it)."""
+        out: dict[StreamKey, dict[str, int]] = {}
+        keys = self._key_by_bit
+        for s, d in self._tier_parts(block_size, slot_drops):
+            if s & (s - 1):
+                out.update(dict.fromkeys(compress(keys, _select(s)), d))  # type: ignore[arg-type]
+            else:
+                out[keys[s.bit_length() - 1]] = d  # type: ignore[index]
         return out
+
+    def tiers_along(
+        self, block_size: int, slot_drops: list[tuple[int, int]]
+    ) -> Callable[[int], list[dict[str, int]]]:
+        """:meth:`tiers_of` as a function of a stream mask of the walk (its stream drops):
+        the tier dicts of its streams in :meth:`keys_of` order. Per stream, a byte says its
+        part: no lookups by stream key (right after a :meth:`walk`, the bits in key order)."""
+        parts = self._tier_parts(block_size, slot_drops)
+        if not self._ordered or len(parts) > 255:  # lookups by key
+            tiers = self.tiers_of(block_size, slot_drops)
+            return lambda streams: [tiers[k] for k in self.keys_of(streams)]
+        which = 0  # byte b: the part of stream bit b (1-based)
+        for j, (s, _) in enumerate(parts, 1):
+            which += int.from_bytes(_select(s), "little") * j
+        of_bit = which.to_bytes(len(self._key_by_bit), "little")
+        dicts = [None] + [d for _, d in parts]
+        pick = dicts.__getitem__
+
+        def along(streams: int) -> list[dict[str, int]]:
+            return list(map(pick, compress(of_bit, _select(streams))))  # type: ignore[arg-type]
+
+        return along
 
     def score(
         self,

@@ -13,7 +13,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
-from bridge.contentindex import StreamKey, Walk
+from bridge.contentindex import ContentIndex, StreamKey, Walk
 from bridge.contentkeys import MAX_TOKEN_ID, lora_of, pack_tokens, query_extras
 from bridge.state import CacheState
 
@@ -172,54 +172,80 @@ def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
         rows = _ranked(state, req, walks, extras, only, unc)
         return rows if limit is None else rows[:limit]
     rows: list[dict[str, Any]] = []
-    tiers: dict[StreamKey, dict[str, int]] = {}
+    found = 0  # the streams answered
     if walks:
         # One walk: its drops are the answer's groups of equal length, each in (pod, rank)
         # order; longest first, and in each the certain streams before the uncertain.
         bs, stream_drops, slot_drops = walks[0]
-        groups: list[tuple[int, bool, list[StreamKey]]] = []
+        along = content.tiers_along(bs, slot_drops)
         left = limit
+        append = rows.append
         for n, mask in reversed(stream_drops):
             if left is not None and left <= 0:
                 break
             if not n or not mask:
                 continue
-            for flag, part in _split(content.keys_of(mask), unc):
+            t = n * bs
+            keys = content.keys_of(mask)
+            found |= mask
+            for flag, part, tokens in _split(keys, along(mask), unc):
                 if left is not None:
                     if left <= 0:
                         break
-                    part = part[:left]
+                    part, tokens = part[:left], tokens[:left]
                     left -= len(part)
-                groups.append((n * bs, flag, part))
-        if limit is not None:  # the tiers of the streams answered only
-            slots = content.stream_mask(k for _, _, part in groups for k in part)[0]
-            slot_drops = [(n, m & slots) for n, m in slot_drops]
-        tiers = content.tiers_of(bs, slot_drops)
-        for t, flag, part in groups:
-            rows += [
-                {
-                    "pod": pod,
-                    "dp_rank": rank,
-                    "block_size": bs,
-                    "tokens": tiers[key],
-                    "any_tier_tokens": t,
-                    "uncertain": flag,
-                }
-                for key in part
-                for pod, rank in (key,)  # unpacking: cheaper than two subscripts
-            ]
+                # A copy of the group's row, then its own values: cheaper than a literal.
+                copy = _row(None, None, bs, None, t, flag).copy
+                for key, tiers in zip(part, tokens, strict=True):
+                    r = copy()
+                    r["pod"], r["dp_rank"] = key
+                    r["tokens"] = tiers
+                    append(r)
     if limit is not None and len(rows) >= limit:
         return rows
-    rows += _zero_rows(state, req, tiers, unc)
+    rows += _zero_rows(state, req, _Listed(content, found), unc)
     return rows if limit is None else rows[:limit]
 
 
-def _split(group: list[StreamKey], unc: set[StreamKey]) -> list[tuple[bool, list[StreamKey]]]:
+class _Listed:
+    """Whether a stream is in a stream mask (the groups answered): no set of their keys."""
+
+    def __init__(self, content: ContentIndex, streams: int) -> None:
+        self.content = content
+        self.streams = streams
+
+    def __contains__(self, key: object) -> bool:
+        s = self.content.streams.get(key)  # type: ignore[call-overload]
+        return s is not None and self.streams >> s.bit & 1 == 1
+
+
+def _row(
+    pod: str | None, rank: int | None, bs: int, tokens: Any, n_any: int, flag: bool
+) -> dict[str, Any]:
+    return {
+        "pod": pod,
+        "dp_rank": rank,
+        "block_size": bs,
+        "tokens": tokens,
+        "any_tier_tokens": n_any,
+        "uncertain": flag,
+    }
+
+
+def _split(
+    group: list[StreamKey], tiers: list[dict[str, int]], unc: set[StreamKey]
+) -> list[tuple[bool, list[StreamKey], list[dict[str, int]]]]:
+    """A group's streams (and their tiers, in step): the certain ones, then the uncertain."""
     if not unc or unc.isdisjoint(group):
-        return [(False, group)]
+        return [(False, group, tiers)]
+    flags = [k in unc for k in group]
     return [
-        (False, [k for k in group if k not in unc]),
-        (True, [k for k in group if k in unc]),
+        (
+            flag,
+            [k for k, f in zip(group, flags, strict=True) if f is flag],
+            [t for t, f in zip(tiers, flags, strict=True) if f is flag],
+        )
+        for flag in (False, True)
     ]
 
 

@@ -276,3 +276,48 @@ def test_bools_among_token_ids_are_found_in_the_raw_body(text):
     body = '{"model": "m", "token_ids": ' + text.split(":")[-1].rstrip("}") + "}"
     with pytest.raises(ScoreError, match="token ids are ints"):
         parse_body(json.loads(body), body.encode())
+
+
+def _staircase(pods: int) -> tuple[CacheState, list[int]]:
+    """Pod i holds the first i + 1 blocks (of 1 token) of one prompt, in the GPU tier."""
+    state = CacheState()
+    prompt = list(range(pods))
+    for i in range(pods):
+        pod = f"p{i:03d}"
+        hashes = [f"{pod}:{j}".encode() for j in range(i + 1)]
+        ev = BlockStored(hashes, None, prompt[: i + 1], 1, medium="GPU")
+        state.apply(Record(Envelope(pod, MODEL, 0, 1, 1, 0, 0.0), ev))
+    return state, prompt
+
+
+def test_more_tier_parts_than_a_byte_numbers():
+    """300 streams of 300 lengths: 300 parts of equal tiers, more than tiers_along's byte per
+    stream can tell apart; the answer is still the reference's."""
+    state, prompt = _staircase(300)
+    req = make_request(MODEL, prompt)
+    rows = score(state, req)
+    assert rows == reference(state, req)
+    assert [r["tokens"] for r in rows[:2]] == [{"GPU": 300}, {"GPU": 299}]
+
+
+def test_tiers_along_before_a_walk_renumbers():
+    """Drops with a stream whose bit is out of key order (no walk since it came): tiers_along
+    still answers in keys_of's order (sorted)."""
+    state, prompt = _staircase(5)
+    ev = BlockStored([b"A"], None, prompt[:1], 1, medium="CPU")  # "A" < "p000": out of order
+    state.apply(Record(Envelope("A", MODEL, 0, 1, 1, 0, 0.0), ev))
+    content = state.content
+    assert content is not None
+    slots = streams = 0
+    for s in content.streams.values():
+        streams |= 1 << s.bit
+        for slot in s.slots.values():
+            slots |= 1 << slot.bit
+    assert content.streams[("A", 0)].bit == 5
+    drops = [(1, slots)]  # as if every slot held the first block only
+    tiers = content.tiers_of(1, drops)
+    assert (
+        content.tiers_along(1, drops)(streams)
+        == [tiers[k] for k in content.keys_of(streams)]
+        == [{"CPU": 1}] + [{"GPU": 1}] * 5
+    )
