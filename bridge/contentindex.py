@@ -46,6 +46,7 @@ Walk = tuple[int, list[tuple[int, int]], list[tuple[int, int]]]
 RECENT_KEYS = 1024  # per stream: keys of hashes that left every tier, kept for placeholders
 SKIP_REASONS = ("misaligned", "token_domain", "lookahead", "unchained", "unknown_hash")
 MEMO = 4096  # entries per memo of masks; the oldest eighth goes when one is full
+DENSE = 24  # streams_of: a slot mask of more bits is mapped tier by tier (complements)
 _SELECT = bytes.maketrans(b"01", b"\0\1")
 
 
@@ -171,6 +172,8 @@ class ContentIndex:
         self._slot_names: dict[int, list[tuple[StreamKey, str]]] = {}
         self._slot_owners: dict[int, list[StreamKey]] = {}  # memo: slot mask -> owner keys
         self._tiers: list[tuple[str, int]] | None = None  # memo: (tier name, its slot bits)
+        # memo: per tier, (its slots' bits, their streams' bits): one slot per stream each
+        self._by_tier: list[tuple[int, int]] | None = None
         self.streams: dict[StreamKey, _Stream] = {}
         self._slot_bits: list[_Slot | None] = []
         self._stream_bits: list[_Stream | None] = []
@@ -242,7 +245,7 @@ class ContentIndex:
         if slot is None:
             bit = self._free_slot_bits.pop() if self._free_slot_bits else len(self._slot_bits)
             slot = s.slots[tier] = _Slot(bit, tier, s.key, tier_name(tier))
-            self._tiers = None
+            self._tiers = self._by_tier = None
             if bit == len(self._slot_bits):
                 self._slot_bits.append(slot)
                 self._owner_bit.append(s.bit)
@@ -455,7 +458,7 @@ class ContentIndex:
         self._stream_keys.clear()
         self._slot_names.clear()
         self._slot_owners.clear()
-        self._tiers = None
+        self._tiers = self._by_tier = None
 
     def _keys_of(self, streams: int) -> list[StreamKey]:
         r = self._stream_keys.get(streams)
@@ -505,12 +508,38 @@ class ContentIndex:
         """The stream bits owning the slot bits of ``slots`` (memoized)."""
         r = self._streams_of.get(slots)
         if r is None:
-            one = self._owner_one
-            if not slots & (slots - 1):
-                r = one[slots.bit_length() - 1] if slots else 0
-            else:
-                r = reduce(or_, compress(one, _select(slots)), 0)
+            if slots.bit_count() <= DENSE:
+                r = self._owners_bits(slots)
+            else:  # per tier: the owners of its slots, or its streams but the others' owners
+                r = 0
+                for in_tier, streams in self._tier_streams():
+                    m = slots & in_tier
+                    if m:
+                        rest = in_tier ^ m
+                        if rest.bit_count() < m.bit_count():
+                            r |= streams ^ self._owners_bits(rest)
+                        else:
+                            r |= self._owners_bits(m)
             _remember(self._streams_of, slots, r)
+        return r
+
+    def _owners_bits(self, slots: int) -> int:
+        one = self._owner_one
+        if not slots & (slots - 1):
+            return one[slots.bit_length() - 1] if slots else 0
+        return reduce(or_, compress(one, _select(slots)), 0)
+
+    def _tier_streams(self) -> list[tuple[int, int]]:
+        """Per tier (medium, group): (the bits of its slots, those of their streams); the
+        slots of a tier are of distinct streams (memoized)."""
+        r = self._by_tier
+        if r is None:
+            masks: dict[Tier, tuple[int, int]] = {}
+            for slot in self._slot_bits:
+                if slot is not None:
+                    a, b = masks.get(slot.tier, (0, 0))
+                    masks[slot.tier] = (a | 1 << slot.bit, b | self._owner_one[slot.bit])
+            r = self._by_tier = list(masks.values())
         return r
 
     def stream_mask(self, keys: Iterable[StreamKey]) -> tuple[int, int]:

@@ -185,13 +185,17 @@ def test_score_equals_the_reference_and_the_code_before(
         max_size=4,
     ),
     memo=st.sampled_from([1, 2, 4096]),
+    dense=st.sampled_from([0, 2, 24]),
 )
-def test_score_after_more_changes_equals_the_reference(prompt_list, first, then, queries, memo):
+def test_score_after_more_changes_equals_the_reference(
+    prompt_list, first, then, queries, memo, dense
+):
     """Memos filled by queries, then streams added, forgotten (bits freed and given again,
     stream bits renumbered in key order) and changed: the next answers are still right,
-    with memos of any size (the oldest entries evicted)."""
+    with memos of any size (the oldest entries evicted), masks mapped to streams either way."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(contentindex, "MEMO", memo)
+        mp.setattr(contentindex, "DENSE", dense)  # 0: every mask mapped tier by tier
         seq: dict = {}
         state = build(prompt_list, first, (4,), False, seq=seq)
         for ops_now in ([], then):
