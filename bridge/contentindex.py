@@ -24,8 +24,11 @@ of pods.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from functools import reduce
+from itertools import compress, islice
+from operator import or_
 from typing import Any
 
 from bridge.contentkeys import (
@@ -51,6 +54,9 @@ SKIP_REASONS = (
     "unknown_hash",
     "unkeyed_on_load",  # a block loaded (kv-state, a snapshot) without its content key
 )
+MEMO = 4096  # entries per memo of masks; the oldest eighth goes when one is full
+DENSE = 24  # streams_of: a slot mask of more bits is mapped tier by tier (complements)
+_SELECT = bytes.maketrans(b"01", b"\0\1")
 
 
 def _set_bit(holders: dict[bytes, int], k: bytes, bit: int) -> bool:
@@ -134,6 +140,20 @@ def tier_name(tier: Tier) -> str:
     return name if not group else f"{name}/{group}"
 
 
+def _select(m: int) -> bytes:
+    """Bit i of ``m`` (>= 0) as byte i (0 or 1): a selector for :func:`itertools.compress`,
+    which then picks the entries of a list indexed by bit at C speed, in bit order."""
+    return bin(m)[:1:-1].encode().translate(_SELECT)
+
+
+def _remember(memo: dict, k: int, v: object) -> None:
+    """``memo[k] = v``, first dropping the oldest eighth of a full memo (no cliff)."""
+    if len(memo) >= MEMO:
+        for old in list(islice(memo, MEMO // 8 or 1)):
+            del memo[old]
+    memo[k] = v
+
+
 def _bit_list(m: int) -> list[int]:
     """The set bits of ``m`` (>= 0), via its binary text for dense masks."""
     if not m & (m - 1):
@@ -149,12 +169,20 @@ class ContentIndex:
     def __init__(self) -> None:
         self.slot_holders: dict[bytes, int] = {}
         self._owner_bit: list[int] = []  # slot bit -> its stream's bit
+        self._owner_one: list[int] = []  # slot bit -> 1 << its stream's bit
+        self._owner_key: list[StreamKey | None] = []  # slot bit -> its stream's key
+        self._key_by_bit: list[StreamKey | None] = []  # stream bit -> its key
+        # Stream bits ascend with the keys (keys_of then needs no sort); False after a
+        # stream came out of order: walk and stream_mask renumber first (_renumber).
+        self._ordered = True
         self._streams_of: dict[int, int] = {}  # memo: slot mask -> stream mask
         # memos: stream mask -> stream keys; slot mask -> (owner key, tier name) per slot
         self._stream_keys: dict[int, list[StreamKey]] = {}
         self._slot_names: dict[int, list[tuple[StreamKey, str]]] = {}
         self._slot_owners: dict[int, list[StreamKey]] = {}  # memo: slot mask -> owner keys
         self._tiers: list[tuple[str, int]] | None = None  # memo: (tier name, its slot bits)
+        # memo: per tier, (its slots' bits, their streams' bits): one slot per stream each
+        self._by_tier: list[tuple[int, int]] | None = None
         self.streams: dict[StreamKey, _Stream] = {}
         self._slot_bits: list[_Slot | None] = []
         self._stream_bits: list[_Stream | None] = []
@@ -179,27 +207,64 @@ class ContentIndex:
             self.forget_stream(key)
             s = None
         if s is None:
-            bit = self._free_stream_bits.pop() if self._free_stream_bits else len(self._stream_bits)
+            bits = self._stream_bits
+            bit = self._free_stream_bits.pop() if self._free_stream_bits else len(bits)
             s = _Stream(key, bit, model)
-            if bit == len(self._stream_bits):
-                self._stream_bits.append(s)
+            if bit == len(bits):
+                bits.append(s)
+                self._key_by_bit.append(key)
             else:
-                self._stream_bits[bit] = s
+                bits[bit] = s
+                self._key_by_bit[bit] = key
+            if self._ordered and not self._in_order(bit, key):
+                self._ordered = False
             self.streams[key] = s
         return s
+
+    def _in_order(self, bit: int, key: StreamKey) -> bool:
+        """Whether ``key`` at ``bit`` is between the keys of the nearest streams around it."""
+        keys = self._key_by_bit
+        for b in range(bit - 1, -1, -1):
+            if keys[b] is not None:
+                if keys[b] > key:  # type: ignore[operator]
+                    return False
+                break
+        for b in range(bit + 1, len(keys)):
+            if keys[b] is not None:
+                return keys[b] > key  # type: ignore[operator]
+        return True
+
+    def _renumber(self) -> None:
+        """Stream bits given again in key order (memos of stream masks are then void)."""
+        live = sorted(self.streams.values(), key=lambda s: s.key)
+        for bit, s in enumerate(live):
+            s.bit = bit
+        self._stream_bits = list(live)
+        self._key_by_bit = [s.key for s in live]
+        self._free_stream_bits = []
+        for s in live:
+            for slot in s.slots.values():
+                self._owner_bit[slot.bit] = s.bit
+                self._owner_one[slot.bit] = 1 << s.bit
+        self._forget_memos()
+        self._ordered = True
 
     def _slot(self, s: _Stream, tier: Tier) -> _Slot:
         slot = s.slots.get(tier)
         if slot is None:
             bit = self._free_slot_bits.pop() if self._free_slot_bits else len(self._slot_bits)
             slot = s.slots[tier] = _Slot(bit, tier, s.key, tier_name(tier))
-            self._tiers = None
+            self._tiers = self._by_tier = None
             if bit == len(self._slot_bits):
                 self._slot_bits.append(slot)
                 self._owner_bit.append(s.bit)
+                self._owner_one.append(1 << s.bit)
+                self._owner_key.append(s.key)
             else:
                 self._slot_bits[bit] = slot
                 self._owner_bit[bit] = s.bit
+                self._owner_one[bit] = 1 << s.bit
+                self._owner_key[bit] = s.key
                 self._forget_memos()
         return slot
 
@@ -372,9 +437,11 @@ class ContentIndex:
             for h in list(slot.held):
                 self._drop(s, slot, h)
             self._slot_bits[slot.bit] = None
+            self._owner_key[slot.bit] = None
             self._free_slot_bits.append(slot.bit)
         self._forget_memos()
         self._stream_bits[s.bit] = None
+        self._key_by_bit[s.bit] = None
         self._free_stream_bits.append(s.bit)
         sizes = self.sizes.get(s.model)
         if sizes is not None:
@@ -468,26 +535,31 @@ class ContentIndex:
         self._stream_keys.clear()
         self._slot_names.clear()
         self._slot_owners.clear()
-        self._tiers = None
+        self._tiers = self._by_tier = None
 
     def _keys_of(self, streams: int) -> list[StreamKey]:
         r = self._stream_keys.get(streams)
         if r is None:
-            bits = self._stream_bits
-            r = sorted(bits[b].key for b in _bit_list(streams))  # type: ignore[union-attr]
-            if len(self._stream_keys) >= 4096:
-                self._stream_keys.clear()
-            self._stream_keys[streams] = r
+            keys = self._key_by_bit
+            if not streams & (streams - 1):
+                r = [keys[streams.bit_length() - 1]] if streams else []  # type: ignore[list-item]
+            else:
+                r = list(compress(keys, _select(streams)))  # type: ignore[arg-type]
+                if not self._ordered:  # a stream added since the last walk: bits not in order
+                    r.sort()
+            _remember(self._stream_keys, streams, r)
         return r
 
     def _owners_of(self, slots: int) -> list[StreamKey]:
+        """The owners of the slots of ``slots``, in slot bit order (memoized)."""
         r = self._slot_owners.get(slots)
         if r is None:
-            bits = self._slot_bits
-            r = [bits[b].owner for b in _bit_list(slots)]  # type: ignore[union-attr]
-            if len(self._slot_owners) >= 4096:
-                self._slot_owners.clear()
-            self._slot_owners[slots] = r
+            owners = self._owner_key
+            if not slots & (slots - 1):
+                r = [owners[slots.bit_length() - 1]] if slots else []  # type: ignore[list-item]
+            else:
+                r = list(compress(owners, _select(slots)))  # type: ignore[arg-type]
+            _remember(self._slot_owners, slots, r)
         return r
 
     def _tier_masks(self) -> list[tuple[str, int]]:
@@ -506,26 +578,51 @@ class ContentIndex:
         if r is None:
             bits = self._slot_bits
             r = [(bits[b].owner, bits[b].name) for b in _bit_list(slots)]  # type: ignore[union-attr]
-            if len(self._slot_names) >= 4096:
-                self._slot_names.clear()
-            self._slot_names[slots] = r
+            _remember(self._slot_names, slots, r)
         return r
 
     def streams_of(self, slots: int) -> int:
         """The stream bits owning the slot bits of ``slots`` (memoized)."""
         r = self._streams_of.get(slots)
         if r is None:
-            r = 0
-            owner = self._owner_bit
-            for b in _bits(slots):
-                r |= 1 << owner[b]
-            if len(self._streams_of) >= 4096:
-                self._forget_memos()
-            self._streams_of[slots] = r
+            if slots.bit_count() <= DENSE:
+                r = self._owners_bits(slots)
+            else:  # per tier: the owners of its slots, or its streams but the others' owners
+                r = 0
+                for in_tier, streams in self._tier_streams():
+                    m = slots & in_tier
+                    if m:
+                        rest = in_tier ^ m
+                        if rest.bit_count() < m.bit_count():
+                            r |= streams ^ self._owners_bits(rest)
+                        else:
+                            r |= self._owners_bits(m)
+            _remember(self._streams_of, slots, r)
+        return r
+
+    def _owners_bits(self, slots: int) -> int:
+        one = self._owner_one
+        if not slots & (slots - 1):
+            return one[slots.bit_length() - 1] if slots else 0
+        return reduce(or_, compress(one, _select(slots)), 0)
+
+    def _tier_streams(self) -> list[tuple[int, int]]:
+        """Per tier (medium, group): (the bits of its slots, those of their streams); the
+        slots of a tier are of distinct streams (memoized)."""
+        r = self._by_tier
+        if r is None:
+            masks: dict[Tier, tuple[int, int]] = {}
+            for slot in self._slot_bits:
+                if slot is not None:
+                    a, b = masks.get(slot.tier, (0, 0))
+                    masks[slot.tier] = (a | 1 << slot.bit, b | self._owner_one[slot.bit])
+            r = self._by_tier = list(masks.values())
         return r
 
     def stream_mask(self, keys: Iterable[StreamKey]) -> tuple[int, int]:
         """(slot bits, stream bits) of the given streams: a query's ``pods`` filter."""
+        if not self._ordered:
+            self._renumber()
         slots = streams = 0
         for key in keys:
             s = self.streams.get(key)
@@ -554,6 +651,8 @@ class ContentIndex:
         sizes = self.sizes.get(model)
         if not sizes:
             return out
+        if not self._ordered:
+            self._renumber()
         n_tokens = len(tokens) // 4
         holders_get = self.slot_holders.get
         streams_of = self.streams_of
@@ -611,50 +710,72 @@ class ContentIndex:
         """The keys of the streams of a stream mask, sorted (memoized)."""
         return self._keys_of(streams)
 
-    def tiers_of(
-        self, block_size: int, slot_drops: list[tuple[int, int]]
-    ) -> dict[StreamKey, dict[str, int]]:
-        """Per stream of a walk's slot drops: ``{tier name: leading tokens}``, in name order
-        (tier by tier over the drops' masks: O(drops x tiers + matching slots))."""
-        out: dict[StreamKey, dict[str, int]] = {}
-        get = out.get
-        first = True  # no stream has an entry yet: no lookups needed
+    def tier_parts(self, block_size: int, slot_drops: list[tuple[int, int]]) -> list[list]:
+        """The streams of a walk's slot drops split into parts of equal tokens per tier:
+        ``[stream mask, {tier name: leading tokens}]`` (names in order), the masks disjoint.
+        Tier by tier over the drops' masks: O(drops x tiers) mask operations."""
+        parts: list[list] = []
+        streams_of = self.streams_of
         for name, in_tier in self._tier_masks():
-            hit = False
             for n, mask in slot_drops:
                 m = mask & in_tier
                 if not n or not m:
                     continue
                 t = n * block_size
-                hit = True
-                if first:  # a stream has one slot per tier name
-                    out.update({owner: {name: t} for owner in self._owners_of(m)})
-                    continue
-                for owner in self._owners_of(m):
-                    d = get(owner)
-                    if d is None:
-                        out[owner] = {name: t}
-                    else:
-                        d[name] = t
-            first = first and not hit
+                s = streams_of(m)  # a stream has one slot per tier name
+                grown = []
+                for part in parts:
+                    both = part[0] & s
+                    if both:
+                        if both == part[0]:
+                            part[1] = {**part[1], name: t}
+                        else:
+                            part[0] ^= both
+                            grown.append([both, {**part[1], name: t}])
+                        s ^= both
+                        if not s:
+                            break
+                parts += grown
+                if s:
+                    parts.append([s, {name: t}])
+        return parts
+
+    def tiers_of(
+        self, block_size: int, slot_drops: list[tuple[int, int]]
+    ) -> dict[StreamKey, dict[str, int]]:
+        """Per stream of a walk's slot drops: ``{tier name: leading tokens}``, in name order.
+        Streams with equal tokens per tier share one dict (the answer's users never change
+        it)."""
+        out: dict[StreamKey, dict[str, int]] = {}
+        keys = self._key_by_bit
+        for s, d in self.tier_parts(block_size, slot_drops):
+            if s & (s - 1):
+                out.update(dict.fromkeys(compress(keys, _select(s)), d))  # type: ignore[arg-type]
+            else:
+                out[keys[s.bit_length() - 1]] = d  # type: ignore[index]
         return out
 
-    def tier_streams(
+    def tiers_along(
         self, block_size: int, slot_drops: list[tuple[int, int]]
-    ) -> list[tuple[str, list[tuple[int, int]]]]:
-        """Per tier name (in name order) holding some of a walk's blocks: ``(leading tokens,
-        stream mask)`` of its slot drops -- the streams whose slot of that name holds exactly
-        that many leading tokens (a stream has one slot per name)."""
-        out = []
-        for name, in_tier in self._tier_masks():
-            drops = [
-                (n * block_size, self.streams_of(mask & in_tier))
-                for n, mask in slot_drops
-                if n and mask & in_tier
-            ]
-            if drops:
-                out.append((name, drops))
-        return out
+    ) -> Callable[[int], list[dict[str, int]]]:
+        """:meth:`tiers_of` as a function of a stream mask of the walk (its stream drops):
+        the tier dicts of its streams in :meth:`keys_of` order. Per stream, a byte says its
+        part: no lookups by stream key (right after a :meth:`walk`, the bits in key order)."""
+        parts = self.tier_parts(block_size, slot_drops)
+        if not self._ordered or len(parts) > 255:  # lookups by key
+            tiers = self.tiers_of(block_size, slot_drops)
+            return lambda streams: [tiers[k] for k in self.keys_of(streams)]
+        which = 0  # byte b: the part of stream bit b (1-based)
+        for j, (s, _) in enumerate(parts, 1):
+            which += int.from_bytes(_select(s), "little") * j
+        of_bit = which.to_bytes(len(self._key_by_bit), "little")
+        dicts = [None] + [d for _, d in parts]
+        pick = dicts.__getitem__
+
+        def along(streams: int) -> list[dict[str, int]]:
+            return list(map(pick, compress(of_bit, _select(streams))))  # type: ignore[arg-type]
+
+        return along
 
     def score(
         self,

@@ -13,7 +13,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
-from bridge.contentindex import StreamKey, Walk
+from bridge.contentindex import ContentIndex, StreamKey, Walk
 from bridge.contentkeys import MAX_TOKEN_ID, lora_of, pack_tokens, query_extras
 from bridge.state import CacheState
 
@@ -165,23 +165,30 @@ def _may_hold_bools(raw: bytes) -> bool:
     return False
 
 
+def _index_and_filter(
+    state: CacheState, req: ScoreRequest
+) -> tuple[ContentIndex, tuple[int, int] | None]:
+    """The state's content index, and the masks of ``req.pods``' streams (None: every pod)."""
+    content = state.content
+    if content is None:
+        raise ScoreError("this state keeps no content index (CacheState(content=False))")
+    if req.pods is None:
+        return content, None
+    wanted = set(req.pods)
+    keys = [k for k in state.streams if k[0] in wanted]
+    missing = wanted - {k[0] for k in keys}
+    if missing:
+        raise ScoreError(f"unknown pod(s) {sorted(missing)}: GET /pods lists the pods")
+    return content, content.stream_mask(keys)
+
+
 def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
     """Per stream of ``req.model``: ``{pod, dp_rank, block_size, tokens: {tier: n},
     any_tier_tokens, uncertain}``, most leading tokens first, certain before uncertain, then
     by (pod, rank). Streams of ``req.pods`` are listed even at 0; otherwise a stream with
     nothing of the prompt is listed only if it is uncertain. :class:`ScoreError` for a pod
     in ``req.pods`` that the state does not know. ``req.limit``: the first rows only."""
-    content = state.content
-    if content is None:
-        raise ScoreError("this state keeps no content index (CacheState(content=False))")
-    only = None
-    if req.pods is not None:
-        wanted = set(req.pods)
-        keys = [k for k in state.streams if k[0] in wanted]
-        missing = wanted - {k[0] for k in keys}
-        if missing:
-            raise ScoreError(f"unknown pod(s) {sorted(missing)}: GET /pods lists the pods")
-        only = content.stream_mask(keys)
+    content, only = _index_and_filter(state, req)
     media, salt = req.media, req.cache_salt
 
     def extras(n_blocks: int, block_size: int) -> list[bytes] | None:
@@ -197,54 +204,80 @@ def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
         rows = _ranked(state, req, walks, extras, only, unc)
         return rows if limit is None else rows[:limit]
     rows: list[dict[str, Any]] = []
-    tiers: dict[StreamKey, dict[str, int]] = {}
+    found = 0  # the streams answered
     if walks:
         # One walk: its drops are the answer's groups of equal length, each in (pod, rank)
         # order; longest first, and in each the certain streams before the uncertain.
         bs, stream_drops, slot_drops = walks[0]
-        groups: list[tuple[int, bool, list[StreamKey]]] = []
+        along = content.tiers_along(bs, slot_drops)
         left = limit
+        append = rows.append
         for n, mask in reversed(stream_drops):
             if left is not None and left <= 0:
                 break
             if not n or not mask:
                 continue
-            for flag, part in _split(content.keys_of(mask), unc):
+            t = n * bs
+            keys = content.keys_of(mask)
+            found |= mask
+            for flag, part, tokens in _split(keys, along(mask), unc):
                 if left is not None:
                     if left <= 0:
                         break
-                    part = part[:left]
+                    part, tokens = part[:left], tokens[:left]
                     left -= len(part)
-                groups.append((n * bs, flag, part))
-        if limit is not None:  # the tiers of the streams answered only
-            slots = content.stream_mask(k for _, _, part in groups for k in part)[0]
-            slot_drops = [(n, m & slots) for n, m in slot_drops]
-        tiers = content.tiers_of(bs, slot_drops)
-        for t, flag, part in groups:
-            rows += [
-                {
-                    "pod": pod,
-                    "dp_rank": rank,
-                    "block_size": bs,
-                    "tokens": tiers[key],
-                    "any_tier_tokens": t,
-                    "uncertain": flag,
-                }
-                for key in part
-                for pod, rank in (key,)  # unpacking: cheaper than two subscripts
-            ]
+                # A copy of the group's row, then its own values: cheaper than a literal.
+                copy = _row(None, None, bs, None, t, flag).copy
+                for key, tiers in zip(part, tokens, strict=True):
+                    r = copy()
+                    r["pod"], r["dp_rank"] = key
+                    r["tokens"] = tiers
+                    append(r)
     if limit is not None and len(rows) >= limit:
         return rows
-    rows += _zero_rows(state, req, tiers, unc)
+    rows += _zero_rows(state, req, _Listed(content, found), unc)
     return rows if limit is None else rows[:limit]
 
 
-def _split(group: list[StreamKey], unc: set[StreamKey]) -> list[tuple[bool, list[StreamKey]]]:
+class _Listed:
+    """Whether a stream is in a stream mask (the groups answered): no set of their keys."""
+
+    def __init__(self, content: ContentIndex, streams: int) -> None:
+        self.content = content
+        self.streams = streams
+
+    def __contains__(self, key: object) -> bool:
+        s = self.content.streams.get(key)  # type: ignore[call-overload]
+        return s is not None and self.streams >> s.bit & 1 == 1
+
+
+def _row(
+    pod: str | None, rank: int | None, bs: int, tokens: Any, n_any: int, flag: bool
+) -> dict[str, Any]:
+    return {
+        "pod": pod,
+        "dp_rank": rank,
+        "block_size": bs,
+        "tokens": tokens,
+        "any_tier_tokens": n_any,
+        "uncertain": flag,
+    }
+
+
+def _split(
+    group: list[StreamKey], tiers: list[dict[str, int]], unc: set[StreamKey]
+) -> list[tuple[bool, list[StreamKey], list[dict[str, int]]]]:
+    """A group's streams (and their tiers, in step): the certain ones, then the uncertain."""
     if not unc or unc.isdisjoint(group):
-        return [(False, group)]
+        return [(False, group, tiers)]
+    flags = [k in unc for k in group]
     return [
-        (False, [k for k in group if k not in unc]),
-        (True, [k for k in group if k in unc]),
+        (
+            flag,
+            [k for k, f in zip(group, flags, strict=True) if f is flag],
+            [t for t, f in zip(tiers, flags, strict=True) if f is flag],
+        )
+        for flag in (False, True)
     ]
 
 
@@ -324,35 +357,13 @@ def _ranked(
     return rows + _zero_rows(state, req, found, unc)
 
 
-class _Found:
-    """The streams of a stream mask, as a container of stream keys (for :func:`_zero_rows`)."""
-
-    def __init__(self, state: CacheState, mask: int) -> None:
-        self.streams = state.content.streams if state.content is not None else {}
-        self.mask = mask
-
-    def __contains__(self, key: object) -> bool:
-        s = self.streams.get(key)  # type: ignore[call-overload]
-        return s is not None and bool(self.mask >> s.bit & 1)
-
-
 def score_groups(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
     """:func:`score`'s answer grouped: one ``{block_size, tokens: {tier: n}, any_tier_tokens,
     uncertain, streams: [(pod, dp_rank), ...]}`` per set of streams whose rows would be equal
     but for the stream, ordered by (most leading tokens, certain first, first stream); the
     streams of each in (pod, rank) order. The same streams and counts as the rows, built from
     the walk's masks without a row per stream (``req.limit`` does not apply)."""
-    content = state.content
-    if content is None:
-        raise ScoreError("this state keeps no content index (CacheState(content=False))")
-    only = None
-    if req.pods is not None:
-        wanted = set(req.pods)
-        keys = [k for k in state.streams if k[0] in wanted]
-        missing = wanted - {k[0] for k in keys}
-        if missing:
-            raise ScoreError(f"unknown pod(s) {sorted(missing)}: GET /pods lists the pods")
-        only = content.stream_mask(keys)
+    content, only = _index_and_filter(state, req)
     walks: list[Walk] = []
     if req.lora_name is None or req.lora_id is None:
         media, salt = req.media, req.cache_salt
@@ -368,33 +379,26 @@ def score_groups(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
     unc = {key for key, st in state.streams.items() if st.uncertain}
     unc_mask = content.stream_mask(unc)[1] if unc else 0
     bs, stream_drops, slot_drops = walks[0]
-    per_tier = content.tier_streams(bs, slot_drops)
+    tier_parts = content.tier_parts(bs, slot_drops)
     parts: list[tuple[int, bool, int, dict[str, int]]] = []
     found = 0
-    for n, mask in stream_drops:
+    for n, mask in stream_drops:  # streams of equal length, split by their tiers' counts
         if not n or not mask:
             continue
         found |= mask
-        cur: list[tuple[int, dict[str, int]]] = [(mask, {})]
-        for name, drops in per_tier:  # split by each tier's count, in name order
-            nxt = []
-            for rest, tiers in cur:
-                for t, in_drop in drops:
-                    x = rest & in_drop
-                    if x:
-                        nxt.append((x, {**tiers, name: t}))
-                        rest &= ~in_drop
-                        if not rest:
-                            break
-                if rest:
-                    nxt.append((rest, tiers))
-            cur = nxt
         t = n * bs
-        for x, tiers in cur:
+        rest = mask
+        for in_part, tiers in tier_parts:
+            x = rest & in_part
+            if not x:
+                continue
             if x & ~unc_mask:
                 parts.append((t, False, x & ~unc_mask, tiers))
             if x & unc_mask:
                 parts.append((t, True, x & unc_mask, tiers))
+            rest ^= x
+            if not rest:
+                break
     groups = [
         (-t, flag, keys, tiers) for t, flag, x, tiers in parts for keys in (content.keys_of(x),)
     ]
@@ -409,7 +413,7 @@ def score_groups(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
         }
         for t, flag, keys, tiers in groups
     ]
-    return out + group_rows(_zero_rows(state, req, _Found(state, found), unc))
+    return out + group_rows(_zero_rows(state, req, _Listed(content, found), unc))
 
 
 def group_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

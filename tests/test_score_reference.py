@@ -13,9 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.score_before import score_before
+from bridge import contentindex
 from bridge.contentkeys import chain, lora_of, pack_tokens, query_extras, root_key
 from bridge.events import BlockRemoved, BlockStored
-from bridge.markers import EventsLost
+from bridge.markers import EventsLost, PodRemoved, StreamStarted
 from bridge.records import Envelope, Record
 from bridge.score import ScoreError, group_rows, make_request, parse_body, score, score_groups
 from bridge.state import CacheState
@@ -90,7 +91,7 @@ ops = st.lists(
     st.tuples(
         st.sampled_from(PODS),
         st.integers(0, 1),  # dp rank
-        st.sampled_from(("store", "store", "store", "remove", "lost")),
+        st.sampled_from(("store", "store", "store", "remove", "lost", "restart", "gone")),
         st.integers(0, 2),  # prompt
         st.integers(1, 40),  # tokens of it
         st.sampled_from(MEDIA),
@@ -100,9 +101,13 @@ ops = st.lists(
 )
 
 
-def build(prompt_list, op_list, sizes, lora: bool) -> CacheState:
-    state = CacheState()
-    seq: dict[tuple[str, int], int] = {}
+def build(
+    prompt_list, op_list, sizes, lora: bool, state: CacheState | None = None, seq=None
+) -> CacheState:
+    """The fleet of ``op_list`` (applied to ``state``, with its ``seq`` per stream, if given);
+    a "restart" is a StreamStarted (the stream forgotten), "gone" a PodRemoved."""
+    state = CacheState() if state is None else state
+    seq = {} if seq is None else seq
     for pod, rank, kind, p, n, medium, which in op_list:
         toks = prompt_list[p % len(prompt_list)]
         bs = sizes[PODS.index(pod) % len(sizes)]
@@ -125,6 +130,10 @@ def build(prompt_list, op_list, sizes, lora: bool) -> CacheState:
             )
         elif kind == "remove" and hashes:
             ev = BlockRemoved([hashes[which % len(hashes)]], medium=medium)
+        elif kind in ("restart", "gone"):
+            mark: Any = StreamStarted(0, "tcp://x") if kind == "restart" else PodRemoved("scaled")
+            state.apply(Record(Envelope(pod, MODEL, rank, 1, seq[k], -1, 0.0), mark))
+            continue
         elif kind == "lost":
             ev = EventsLost(from_seq=seq[k], to_seq=seq[k], reason="gap")
             seq[k] += 1
@@ -225,6 +234,65 @@ def test_group_false_or_null_is_rows():
     assert parse_body({"model": MODEL, "token_ids": [1], "group": True, "limit": None}).group
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt_list=prompts,
+    first=ops,
+    then=ops,
+    queries=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(1, 40), st.lists(st.integers(0, 3), max_size=4)),
+        min_size=1,
+        max_size=4,
+    ),
+    memo=st.sampled_from([1, 2, 4096]),
+    dense=st.sampled_from([0, 2, 24]),
+)
+def test_score_after_more_changes_equals_the_reference(
+    prompt_list, first, then, queries, memo, dense
+):
+    """Memos filled by queries, then streams added, forgotten (bits freed and given again,
+    stream bits renumbered in key order) and changed: the next answers are still right,
+    with memos of any size (the oldest entries evicted), masks mapped to streams either way."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(contentindex, "MEMO", memo)
+        mp.setattr(contentindex, "DENSE", dense)  # 0: every mask mapped tier by tier
+        seq: dict = {}
+        state = build(prompt_list, first, (4,), False, seq=seq)
+        for ops_now in ([], then):
+            build(prompt_list, ops_now, (4,), False, state, seq)
+            for p, n, tail in queries:
+                toks = prompt_list[p % len(prompt_list)][:n] + tail
+                req = make_request(MODEL, toks)
+                got = score(state, req)
+                assert got == reference(state, req)
+                assert json.dumps(got) == json.dumps(score_before(state, req))
+        content = state.content
+        assert content is not None
+        assert all(len(m) <= max(memo, 1) for m in (content._streams_of, content._stream_keys))
+
+
+def test_keys_of_is_sorted_before_a_walk_renumbers():
+    """A stream added with a key below the others': until a walk gives the bits again in
+    key order, keys_of sorts; after it, the bits ascend with the keys."""
+    state = CacheState()
+    prompt = list(range(8))
+    for pod in ("b", "c", "a"):
+        ev = BlockStored([f"{pod}0".encode()], None, prompt[:4], 4, medium="GPU")
+        state.apply(Record(Envelope(pod, MODEL, 0, 1, 1, 0, 0.0), ev))
+    content = state.content
+    assert content is not None
+    everyone = content.stream_mask(list(state.streams))[1]  # renumbers
+    assert content.keys_of(everyone) == [("a", 0), ("b", 0), ("c", 0)]
+    assert [content.streams[(p, 0)].bit for p in "abc"] == [0, 1, 2]
+    ev = BlockStored([b"A0"], None, prompt[:4], 4, medium="GPU")
+    state.apply(Record(Envelope("A", MODEL, 0, 1, 1, 0, 0.0), ev))  # "A" < "a": out of order
+    assert content.streams[("A", 0)].bit == 3
+    assert content.keys_of(everyone | 1 << 3) == [("A", 0), ("a", 0), ("b", 0), ("c", 0)]
+    rows = score(state, make_request(MODEL, prompt))
+    assert [r["pod"] for r in rows] == ["A", "a", "b", "c"]
+    assert [content.streams[(p, 0)].bit for p in "Aabc"] == [0, 1, 2, 3]
+
+
 def test_limit_keeps_the_first_rows():
     state = CacheState()
     prompt = list(range(40))
@@ -291,3 +359,48 @@ def test_bools_are_found_whatever_else_the_body_holds(body):
 def test_true_elsewhere_in_the_body_is_not_a_bool_token():
     body = b'{"model": "m", "token_ids": [1, 2, 3], "group": true}'
     assert parse_body(json.loads(body), body).group is True
+
+
+def _staircase(pods: int) -> tuple[CacheState, list[int]]:
+    """Pod i holds the first i + 1 blocks (of 1 token) of one prompt, in the GPU tier."""
+    state = CacheState()
+    prompt = list(range(pods))
+    for i in range(pods):
+        pod = f"p{i:03d}"
+        hashes = [f"{pod}:{j}".encode() for j in range(i + 1)]
+        ev = BlockStored(hashes, None, prompt[: i + 1], 1, medium="GPU")
+        state.apply(Record(Envelope(pod, MODEL, 0, 1, 1, 0, 0.0), ev))
+    return state, prompt
+
+
+def test_more_tier_parts_than_a_byte_numbers():
+    """300 streams of 300 lengths: 300 parts of equal tiers, more than tiers_along's byte per
+    stream can tell apart; the answer is still the reference's."""
+    state, prompt = _staircase(300)
+    req = make_request(MODEL, prompt)
+    rows = score(state, req)
+    assert rows == reference(state, req)
+    assert [r["tokens"] for r in rows[:2]] == [{"GPU": 300}, {"GPU": 299}]
+
+
+def test_tiers_along_before_a_walk_renumbers():
+    """Drops with a stream whose bit is out of key order (no walk since it came): tiers_along
+    still answers in keys_of's order (sorted)."""
+    state, prompt = _staircase(5)
+    ev = BlockStored([b"A"], None, prompt[:1], 1, medium="CPU")  # "A" < "p000": out of order
+    state.apply(Record(Envelope("A", MODEL, 0, 1, 1, 0, 0.0), ev))
+    content = state.content
+    assert content is not None
+    slots = streams = 0
+    for s in content.streams.values():
+        streams |= 1 << s.bit
+        for slot in s.slots.values():
+            slots |= 1 << slot.bit
+    assert content.streams[("A", 0)].bit == 5
+    drops = [(1, slots)]  # as if every slot held the first block only
+    tiers = content.tiers_of(1, drops)
+    assert (
+        content.tiers_along(1, drops)(streams)
+        == [tiers[k] for k in content.keys_of(streams)]
+        == [{"CPU": 1}] + [{"GPU": 1}] * 5
+    )
