@@ -156,13 +156,22 @@ def _may_hold_bools(raw: bytes) -> bool:
     matches, which the caller's exact check then clears). A list of ints ends at its first
     ``]``; one holding anything else fails to pack, and :func:`make_request` then names the
     first item that is not an int, bools included."""
-    parts = raw.split(b'"token_ids"')
-    texts = [p.split(b"]", 1)[0] for p in parts[1:]] if len(parts) > 1 else [raw]
-    for text in texts:
-        letters = text.translate(None, b"0123456789, ")
-        if b"true" in letters or b"false" in letters:
+    at = raw.find(b'"token_ids"')
+    if at < 0:
+        return _holds_bools(raw)
+    while at >= 0:
+        end = raw.find(b"]", at)
+        if end < 0:
+            end = len(raw)
+        if _holds_bools(raw[at:end]):
             return True
+        at = raw.find(b'"token_ids"', end)  # a list of ints holds no quote: search on after it
     return False
+
+
+def _holds_bools(text: bytes) -> bool:
+    letters = text.translate(None, b"0123456789, ")
+    return b"true" in letters or b"false" in letters
 
 
 def _index_and_filter(
