@@ -196,7 +196,8 @@ def score(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
     any_tier_tokens, uncertain}``, most leading tokens first, certain before uncertain, then
     by (pod, rank). Streams of ``req.pods`` are listed even at 0; otherwise a stream with
     nothing of the prompt is listed only if it is uncertain. :class:`ScoreError` for a pod
-    in ``req.pods`` that the state does not know. ``req.limit``: the first rows only."""
+    in ``req.pods`` that the state does not know. ``req.limit``: the first rows only.
+    Rows with equal tier counts share one ``tokens`` dict: copy it before changing it."""
     content, only = _index_and_filter(state, req)
     media, salt = req.media, req.cache_salt
 
