@@ -160,6 +160,21 @@ were dropped, the checkpoints stay before them and the next start re-reads them.
         "--replay-attempts", type=int, help="replay attempts before a range is lost (3)"
     )
     run.add_argument(
+        "--max-seq-jump",
+        type=int,
+        metavar="N",
+        help="a live seq more than N beyond the highest known starts a new epoch (a restart "
+        "the seq did not show) instead of a replay; raise it above the pods' replay ring "
+        "(vLLM's buffer_steps) if that is larger (100000)",
+    )
+    run.add_argument(
+        "--max-held",
+        type=int,
+        metavar="N",
+        help="live batches held per stream while a replay fills the gap before them; more are "
+        "dropped, counted (kvbridge_held_dropped_total) and fetched by the replay (10000)",
+    )
+    run.add_argument(
         "--max-replays",
         type=int,
         metavar="K",
@@ -422,6 +437,8 @@ def resolve_run_config(
     cfg.replay_timeout = pick("replay_timeout", parse_duration)
     cfg.replay_deadline = pick("replay_deadline", parse_duration)
     cfg.replay_attempts = pick("replay_attempts", int)
+    cfg.max_seq_jump = pick("max_seq_jump", int)
+    cfg.max_held = pick("max_held", int)
     cfg.max_replays = pick("max_replays", int)
     cfg.reconnect_initial = pick("reconnect_initial", parse_duration)
     cfg.reconnect_max = pick("reconnect_max", parse_duration)

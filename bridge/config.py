@@ -258,6 +258,10 @@ class BridgeConfig:
     replay_timeout: float = 2.0
     replay_deadline: float = 30.0
     replay_attempts: int = 3
+    # A live seq this far beyond anything known is a restart, not a gap (sequencer.py); raise
+    # it with the pods' replay ring (vLLM's buffer_steps, 10,000 by default)
+    max_seq_jump: int = 100_000
+    max_held: int = 10_000  # live batches held per stream while its replay runs
     reconnect_initial: float = 1.0
     reconnect_max: float = 30.0
     reconnect_factor: float = 2.0

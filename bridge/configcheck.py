@@ -128,7 +128,14 @@ def validate(cfg: BridgeConfig, sources: dict[str, str]) -> list[str]:
         fail("reconnect_max", f"must be >= reconnect_initial ({cfg.reconnect_initial}s)")
     if cfg.reconnect_factor < 1.0:
         fail("reconnect_factor", "must be a number >= 1.0 (1.0 = constant backoff)")
-    for name in ("replay_attempts", "max_replays", "commit_max_events", "rcvhwm"):
+    for name in (
+        "replay_attempts",
+        "max_seq_jump",
+        "max_held",
+        "max_replays",
+        "commit_max_events",
+        "rcvhwm",
+    ):
         if getattr(cfg, name) < 1:
             fail(name, "must be a whole number >= 1")
     if cfg.transactional_id is not None and not cfg.transactional_id.strip():

@@ -84,6 +84,12 @@ class BridgeMetrics:
             ["pod"],
             registry=r,
         )
+        self.held_dropped = Counter(
+            p + "held_dropped",
+            "Live batches not held during a replay (max_held were): the replay fetches them",
+            ["pod"],
+            registry=r,
+        )
         self.unverified_reconnects = Counter(
             p + "unverified_reconnects",
             "Reconnects after which the publisher's incarnation could not be verified",

@@ -157,6 +157,8 @@ class Bridge:
             replay_idle_timeout=c.replay_timeout,
             replay_deadline=c.replay_deadline,
             replay_max_attempts=c.replay_attempts,
+            max_held=c.max_held,
+            max_seq_jump=c.max_seq_jump,
         )
 
     def owns(self, pod_name: str) -> bool:

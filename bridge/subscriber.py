@@ -131,7 +131,7 @@ class StreamSubscriber:
         # Disconnected and libzmq did not try to reconnect: it gave the endpoint up after a
         # protocol error, which after a handshake means a message over MAXMSGSIZE.
         self.gave_up = False
-        self._synced: tuple[int, ...] = (0,) * 9
+        self._synced: tuple[int, ...] = (0,) * 10
         self.sub: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
@@ -493,6 +493,7 @@ class StreamSubscriber:
             seq.unverified_reconnects,
             seq.bad_replies,
             seq.seq_jumps,
+            seq.held_dropped,
         )
         last = self._synced
         if current == last:
@@ -508,6 +509,7 @@ class StreamSubscriber:
             m.unverified_reconnects.labels(pod),
             m.replays.labels(pod, "bad_reply"),
             m.seq_jumps.labels(pod),
+            m.held_dropped.labels(pod),
         )
         for counter, now_value, before in zip(counters, current, last, strict=True):
             if now_value > before:

@@ -188,6 +188,8 @@ ENV_ERRORS = [
     ("REPLAY_DEADLINE", "-1s", "replay_deadline", "a duration"),
     ("REPLAY_ATTEMPTS", "0", "replay_attempts", ">= 1"),
     ("MAX_REPLAYS", "-2", "max_replays", ">= 1"),
+    ("MAX_SEQ_JUMP", "0", "max_seq_jump", ">= 1"),
+    ("MAX_HELD", "1e4", "max_held", "a whole number"),
     ("RECONNECT_INITIAL", "0s", "reconnect_initial", "a duration > 0"),
     ("RECONNECT_MAX", "100ms", "reconnect_max", ">= reconnect_initial"),
     ("RECONNECT_FACTOR", "0.5", "reconnect_factor", ">= 1.0"),
@@ -260,6 +262,7 @@ def test_unknown_file_key_lists_accepted_settings(tmp_path):
         (["--topic-replication", "-3"], "topic_replication=-3 (from flag)"),
         (["--replay-attempts", "0"], "replay_attempts=0 (from flag)"),
         (["--metrics-port", "-1"], "metrics_port=-1 (from flag)"),
+        (["--max-held", "0"], "max_held=0 (from flag)"),
     ],
 )
 def test_invalid_flags_exit_2_naming_the_setting(capsys, flags, needle):

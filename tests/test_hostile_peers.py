@@ -1,6 +1,7 @@
 """Hostile peers on real parts (issue: nothing lost silently, no pod takes another down):
-empty batches, a seq that jumps by 10^15, and a replay ROUTER whose replies are not answers
-to the request. Each bad thing is contained to its pod, written as what it is, and the
+empty batches, a seq that jumps by 10^15 (or past a configured max_seq_jump), a replay ROUTER
+whose replies are not answers to the request, and a replay so slow that live batches overflow
+max_held. Each bad thing is contained to its pod, written as what it is, and the
 counters stay meaningful; a well-behaved neighbour stays complete."""
 
 from __future__ import annotations
@@ -122,14 +123,20 @@ def test_empty_batches_are_accounted_not_holes(kafka_bootstrap, make_topic, good
     assert report.batches == 4 and report.events == 2
 
 
-def test_a_seq_jump_of_10_15_is_a_new_stream_not_a_loss(kafka_bootstrap, make_topic, good_fleet):
+@pytest.mark.parametrize(
+    "jump, settings",
+    [(1 + 10**15, {}), (61, {"max_seq_jump": 50})],  # the default limit (100,000), and one set
+    ids=["10**15", "max_seq_jump=50"],
+)
+def test_a_seq_jump_is_a_new_stream_not_a_loss(
+    kafka_bootstrap, make_topic, good_fleet, jump, settings
+):
     topic = make_topic(partitions=2)
     ctx = zmq.Context()
     evil = HostilePod(ctx)
-    jump = 1 + 10**15
     pods = [PodConfig("jumper", "m", evil.endpoint), good_pod(good_fleet)]
     try:
-        with running_bridge(kafka_bootstrap, topic, pods) as bridge:
+        with running_bridge(kafka_bootstrap, topic, pods, **settings) as bridge:
             evil.wait_subscribed()
             for seq in (0, 1, jump, jump + 1):
                 evil.send(live_frames(b"", seq, valid(seq % 1000)))
@@ -207,3 +214,82 @@ def test_replies_beyond_the_request_are_refused(kafka_bootstrap, make_topic, goo
     assert [(e.from_seq, e.to_seq) for e in lost] == [(35, 35)]
     report = check_topic(kafka_bootstrap, topic, pods=["liar"])
     assert report.ok, report.details()
+
+
+class SlowRouter:
+    """A replay ROUTER that answers honestly (every batch from the requested seq to ``last``)
+    once ``release`` is set: a replay that takes long while live batches keep coming."""
+
+    def __init__(self, ctx: zmq.Context, last: int) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.last = last
+        self.requests: list[int] = []
+        self.release = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            identity, start = parse_replay_request(self.sock.recv_multipart())
+            self.requests.append(start)
+            while not self.release.wait(0.05):
+                if self._stop.is_set():
+                    return
+            for seq in range(start, self.last + 1):
+                self.sock.send_multipart(
+                    [identity, *replay_reply_frames("0.33.0", b"", seq, valid(seq))]
+                )
+            self.sock.send_multipart([identity, *replay_end_frames("0.33.0")])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(linger=0)
+
+
+def test_live_batches_beyond_max_held_are_counted_and_fetched_by_the_replay(
+    kafka_bootstrap, make_topic, good_fleet
+):
+    """max_held=3: while the replay of seq 5 waits, 6..8 are held and 9..15 are dropped and
+    counted; the replay brings 5..15 from the pod's ring, so nothing is lost."""
+    topic = make_topic(partitions=2)
+    ctx = zmq.Context()
+    pod = HostilePod(ctx)
+    router = SlowRouter(ctx, last=15)
+    pods = [PodConfig("busy", "m", pod.endpoint, router.endpoint), good_pod(good_fleet)]
+    try:
+        with running_bridge(
+            kafka_bootstrap, topic, pods, max_held=3, replay_timeout=20.0, first_contact="live"
+        ) as bridge:
+            pod.wait_subscribed()
+            for seq in (*range(0, 5), *range(6, 16)):  # 5 never arrives live: a gap
+                pod.send(live_frames(b"", seq, valid(seq)))
+            wait_for(
+                lambda: metric(bridge, "kvbridge_held_dropped_total", pod="busy") == 7,
+                30,
+                "9..15 dropped while 6..8 are held",
+            )
+            router.release.set()
+            wait_for(
+                lambda: metric(bridge, "kvbridge_last_seq", pod="busy", dp_rank="0") == 15,
+                30,
+                "seq 15 after the replay",
+            )
+            assert lost_total(bridge, "busy") == 0
+            assert_good_complete(kafka_bootstrap, topic, good_fleet)
+    finally:
+        router.close()
+        pod.sock.close(linger=0)
+        ctx.term()
+    assert router.requests[:1] == [5], router.requests
+    mine = [r for r in read_all(kafka_bootstrap, topic) if r.envelope.pod == "busy"]
+    assert sorted({r.envelope.seq for r in mine if r.envelope.index >= 0}) == list(range(16))
+    assert not any(isinstance(r.event, EventsLost) for r in mine)
+    report = check_topic(kafka_bootstrap, topic, pods=["busy"])
+    assert report.ok and report.lost_batches == 0, report.details()
