@@ -168,7 +168,6 @@ def _bit_list(m: int) -> list[int]:
 class ContentIndex:
     def __init__(self) -> None:
         self.slot_holders: dict[bytes, int] = {}
-        self._owner_bit: list[int] = []  # slot bit -> its stream's bit
         self._owner_one: list[int] = []  # slot bit -> 1 << its stream's bit
         self._owner_key: list[StreamKey | None] = []  # slot bit -> its stream's key
         self._key_by_bit: list[StreamKey | None] = []  # stream bit -> its key
@@ -179,7 +178,6 @@ class ContentIndex:
         # memos: stream mask -> stream keys; slot mask -> (owner key, tier name) per slot
         self._stream_keys: dict[int, list[StreamKey]] = {}
         self._slot_names: dict[int, list[tuple[StreamKey, str]]] = {}
-        self._slot_owners: dict[int, list[StreamKey]] = {}  # memo: slot mask -> owner keys
         self._tiers: list[tuple[str, int]] | None = None  # memo: (tier name, its slot bits)
         # memo: per tier, (its slots' bits, their streams' bits): one slot per stream each
         self._by_tier: list[tuple[int, int]] | None = None
@@ -244,7 +242,6 @@ class ContentIndex:
         self._free_stream_bits = []
         for s in live:
             for slot in s.slots.values():
-                self._owner_bit[slot.bit] = s.bit
                 self._owner_one[slot.bit] = 1 << s.bit
         self._forget_memos()
         self._ordered = True
@@ -257,12 +254,10 @@ class ContentIndex:
             self._tiers = self._by_tier = None
             if bit == len(self._slot_bits):
                 self._slot_bits.append(slot)
-                self._owner_bit.append(s.bit)
                 self._owner_one.append(1 << s.bit)
                 self._owner_key.append(s.key)
             else:
                 self._slot_bits[bit] = slot
-                self._owner_bit[bit] = s.bit
                 self._owner_one[bit] = 1 << s.bit
                 self._owner_key[bit] = s.key
                 self._forget_memos()
@@ -454,12 +449,6 @@ class ContentIndex:
 
     # --- what kv-state and snapshots carry (and restore) ------------------------------------
 
-    def key_of(self, key: StreamKey, tier: Tier, h: bytes) -> bytes | None:
-        """The content key ``h`` has in ``tier`` of the stream (None: not indexed there)."""
-        s = self.streams.get(key)
-        slot = s.slots.get(tier) if s is not None else None
-        return slot.held.get(h) if slot is not None else None
-
     def held(self, key: StreamKey, tier: Tier) -> dict[bytes, bytes] | None:
         """The engine hash -> content key map of one tier of a stream (None: none yet)."""
         s = self.streams.get(key)
@@ -488,9 +477,8 @@ class ContentIndex:
     ) -> None:
         """Give a loaded stream the block sizes :meth:`sizes_of` reported."""
         s = self._stream(key, model)
-        for bs in sorted(set(block_sizes) | ({block_size} if block_size > 0 else set())):
-            if bs > 0:
-                self._set_size(s, bs)
+        for bs in sorted({n for n in (*block_sizes, block_size) if n > 0}):
+            self._set_size(s, bs)
         s.block_size = block_size
 
     def restore(self, key: StreamKey, model: str, tier: Tier, h: bytes, k: bytes) -> None:
@@ -534,7 +522,6 @@ class ContentIndex:
         self._streams_of.clear()
         self._stream_keys.clear()
         self._slot_names.clear()
-        self._slot_owners.clear()
         self._tiers = self._by_tier = None
 
     def _keys_of(self, streams: int) -> list[StreamKey]:
@@ -548,18 +535,6 @@ class ContentIndex:
                 if not self._ordered:  # a stream added since the last walk: bits not in order
                     r.sort()
             _remember(self._stream_keys, streams, r)
-        return r
-
-    def _owners_of(self, slots: int) -> list[StreamKey]:
-        """The owners of the slots of ``slots``, in slot bit order (memoized)."""
-        r = self._slot_owners.get(slots)
-        if r is None:
-            owners = self._owner_key
-            if not slots & (slots - 1):
-                r = [owners[slots.bit_length() - 1]] if slots else []  # type: ignore[list-item]
-            else:
-                r = list(compress(owners, _select(slots)))  # type: ignore[arg-type]
-            _remember(self._slot_owners, slots, r)
         return r
 
     def _tier_masks(self) -> list[tuple[str, int]]:
@@ -776,26 +751,3 @@ class ContentIndex:
             return list(map(pick, compress(of_bit, _select(streams))))  # type: ignore[arg-type]
 
         return along
-
-    def score(
-        self,
-        model: str,
-        lora: str | int | None,
-        tokens: bytes,
-        extras_for: object = None,
-        only: tuple[int, int] | None = None,
-    ) -> dict[StreamKey, list]:
-        """Per stream with a leading block of the prompt (packed ``tokens``):
-        ``[block_size, leading tokens in any tier, {tier name: leading tokens}]`` (the
-        longest over the block sizes); arguments as :meth:`walk`'s."""
-        out: dict[StreamKey, list] = {}
-        for bs, stream_drops, slot_drops in self.walk(model, lora, tokens, extras_for, only):
-            tiers = self.tiers_of(bs, slot_drops)
-            for n, mask in stream_drops:
-                if n and mask:
-                    t = n * bs
-                    for key in self._keys_of(mask):
-                        entry = out.get(key)
-                        if entry is None or entry[1] < t:
-                            out[key] = [bs, t, tiers[key]]
-        return out

@@ -374,19 +374,20 @@ def score_groups(state: CacheState, req: ScoreRequest) -> list[dict[str, Any]]:
     streams of each in (pod, rank) order. The same streams and counts as the rows, built from
     the walk's masks without a row per stream (``req.limit`` does not apply)."""
     content, only = _index_and_filter(state, req)
-    walks: list[Walk] = []
-    if req.lora_name is None or req.lora_id is None:
-        media, salt = req.media, req.cache_salt
-        walks = content.walk(
-            req.model,
-            lora_of(req.lora_name, req.lora_id),
-            req.token_ids,
-            lambda nb, bs: query_extras(nb, bs, media, salt),
-            only,
-        )
-    if len(walks) != 1:  # several block sizes, a LoRA by name and id, or nothing: by the rows
+    merged = req.lora_name is not None and req.lora_id is not None
+    if merged or len(content.sizes.get(req.model, ())) > 1:  # several walks: by the rows
         return group_rows(score(state, req))
+    media, salt = req.media, req.cache_salt
+    walks = content.walk(
+        req.model,
+        lora_of(req.lora_name, req.lora_id),
+        req.token_ids,
+        lambda nb, bs: query_extras(nb, bs, media, salt),
+        only,
+    )
     unc = {key for key, st in state.streams.items() if st.uncertain}
+    if not walks:  # no block of the prompt is held (or fills a block): the zero rows only
+        return group_rows(_zero_rows(state, req, _Listed(content, 0), unc))
     unc_mask = content.stream_mask(unc)[1] if unc else 0
     bs, stream_drops, slot_drops = walks[0]
     tier_parts = content.tier_parts(bs, slot_drops)

@@ -42,20 +42,22 @@ def lost_total(bridge, pod: str) -> float:
     )
 
 
-class EvilRouter:
-    """A replay ROUTER that answers every request with one batch at seq ``reply_seq`` (far
-    beyond anything published) and the end marker."""
+class Router:
+    """A replay ROUTER on a thread: each request's ``(identity, start seq)`` is recorded and
+    handed to :meth:`answer`."""
 
-    def __init__(self, ctx: zmq.Context, reply_seq: int) -> None:
+    def __init__(self, ctx: zmq.Context) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.reply_seq = reply_seq
         self.requests: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+
+    def answer(self, identity: bytes, start: int) -> None:
+        raise NotImplementedError
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -63,15 +65,27 @@ class EvilRouter:
                 continue
             identity, start = parse_replay_request(self.sock.recv_multipart())
             self.requests.append(start)
-            self.sock.send_multipart(
-                [identity, *replay_reply_frames("0.33.0", b"", self.reply_seq, b"\x00")]
-            )
-            self.sock.send_multipart([identity, *replay_end_frames("0.33.0")])
+            self.answer(identity, start)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
         self.sock.close(linger=0)
+
+
+class EvilRouter(Router):
+    """Answers every request with one batch at seq ``reply_seq`` (far beyond anything
+    published) and the end marker."""
+
+    def __init__(self, ctx: zmq.Context, reply_seq: int) -> None:
+        self.reply_seq = reply_seq
+        super().__init__(ctx)
+
+    def answer(self, identity: bytes, start: int) -> None:
+        self.sock.send_multipart(
+            [identity, *replay_reply_frames("0.33.0", b"", self.reply_seq, b"\x00")]
+        )
+        self.sock.send_multipart([identity, *replay_end_frames("0.33.0")])
 
 
 @pytest.fixture
@@ -216,41 +230,24 @@ def test_replies_beyond_the_request_are_refused(kafka_bootstrap, make_topic, goo
     assert report.ok, report.details()
 
 
-class SlowRouter:
-    """A replay ROUTER that answers honestly (every batch from the requested seq to ``last``)
-    once ``release`` is set: a replay that takes long while live batches keep coming."""
+class SlowRouter(Router):
+    """Answers honestly (every batch from the requested seq to ``last``) once ``release`` is
+    set: a replay that takes long while live batches keep coming."""
 
     def __init__(self, ctx: zmq.Context, last: int) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
         self.last = last
-        self.requests: list[int] = []
         self.release = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__(ctx)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self.sock.poll(50):
-                continue
-            identity, start = parse_replay_request(self.sock.recv_multipart())
-            self.requests.append(start)
-            while not self.release.wait(0.05):
-                if self._stop.is_set():
-                    return
-            for seq in range(start, self.last + 1):
-                self.sock.send_multipart(
-                    [identity, *replay_reply_frames("0.33.0", b"", seq, valid(seq))]
-                )
-            self.sock.send_multipart([identity, *replay_end_frames("0.33.0")])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close(linger=0)
+    def answer(self, identity: bytes, start: int) -> None:
+        while not self.release.wait(0.05):
+            if self._stop.is_set():
+                return
+        for seq in range(start, self.last + 1):
+            self.sock.send_multipart(
+                [identity, *replay_reply_frames("0.33.0", b"", seq, valid(seq))]
+            )
+        self.sock.send_multipart([identity, *replay_end_frames("0.33.0")])
 
 
 def test_live_batches_beyond_max_held_are_counted_and_fetched_by_the_replay(

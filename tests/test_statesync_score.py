@@ -211,7 +211,7 @@ def test_the_values_carry_content_keys_and_the_stream_its_sizes():
     content = s.state.content
     assert content is not None
     values = [json.loads(v) for kk, v in changes.items() if json.loads(kk)[0] == "block"]
-    assert [v["ck"] for v in values] == [content.key_of(("a", 0), (None, None), x).hex() for x in h]
+    assert [v["ck"] for v in values] == [content.held(("a", 0), (None, None))[x].hex() for x in h]
     meta = json.loads(changes[b'["stream","a",0]'])
     assert meta["content"] == {"block_size": 4, "block_sizes": [4]}
     # A placeholder in another tier takes the keys: its values carry them too.
