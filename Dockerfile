@@ -20,12 +20,12 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY bridge/ bridge/
 COPY schemas/ schemas/
-# The Avro schemas go beside the installed package (bridge.records.schema_dir looks there).
+# The Avro schemas go beside the installed package (bridge.log.records.schema_dir looks there).
 RUN pip install ".[k8s]" \
     && cp -r schemas "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/bridge/" \
     && cd / \
-    && python -c 'from bridge.records import schema_dir; print("schemas:", schema_dir())' \
-    && python -c 'import bridge.discovery.k8swatch, bridge.registry, confluent_kafka.schema_registry' \
+    && python -c 'from bridge.log.records import schema_dir; print("schemas:", schema_dir())' \
+    && python -c 'import bridge.ops.discovery.k8swatch, bridge.log.registry, confluent_kafka.schema_registry' \
     && kvbridge --version
 
 

@@ -28,15 +28,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from bench.kafka import broker, new_topic
-from bridge.config import BridgeConfig, PodConfig
-from bridge.consumer import TopicReader
-from bridge.events import key64
-from bridge.records import Record
-from bridge.runner import Bridge
+from bridge.consume.reader import TopicReader
+from bridge.consume.state import POLICIES, CacheState
+from bridge.ingest.runner import Bridge
+from bridge.log.records import Record
+from bridge.ops.config import BridgeConfig, PodConfig
 from bridge.simulator.model import ModelConfig, PrefixCacheModel, chain_hash
 from bridge.simulator.pod import PodSpec, SimulatedFleet
-from bridge.state import POLICIES, CacheState
 from bridge.vllm.encoder import normal_hash
+from bridge.vllm.events import key64
 
 _MAX_EMPTY = 10_000
 

@@ -13,8 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bridge import avro_encode
-from bridge.records import RecordCodec
+from bridge.log import avro as avro_encode
+from bridge.log.records import RecordCodec
 from bridge.vllm.decoder import decode_batch
 
 __all__ = ["run_ceiling"]

@@ -27,7 +27,7 @@ import zmq
 from confluent_kafka import Producer
 from fastavro import parse_schema, schemaless_writer
 
-from bridge.records import RecordCodec, schema_dir
+from bridge.log.records import RecordCodec, schema_dir
 
 NS = "io.kvbridge.v1."
 STORED = [

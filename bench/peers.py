@@ -37,8 +37,8 @@ from typing import Any
 import msgpack
 
 from bench.procstat import machine_busy_seconds
-from bridge import avro_encode
-from bridge.records import RecordCodec
+from bridge.log import avro as avro_encode
+from bridge.log.records import RecordCodec
 from bridge.vllm.decoder import decode_batch
 
 __all__ = [

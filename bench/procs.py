@@ -17,7 +17,7 @@ from typing import Any
 from urllib.request import urlopen
 
 from bench import procstat
-from bridge import localrun
+from bridge.ops import localrun
 
 REPO = Path(__file__).resolve().parent.parent
 

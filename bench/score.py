@@ -13,7 +13,7 @@
    up), timed one by one (``time.perf_counter_ns``), three kinds
    interleaved: *turn* (a pod's conversation plus a new turn: one pod matches most of it,
    every pod the system prompt), *new* (a system prompt, a template and a new question),
-   *cold* (nothing cached). Each is timed as the library call (``bridge.score``: validate,
+   *cold* (nothing cached). Each is timed as the library call (``bridge.consume.score``: validate,
    walk, rows) and as the server's work without the socket (JSON body parsed, answer
    JSON-encoded). p50/p99 per kind and over all.
 3. **Memory** per resident block (tracemalloc), a smaller fleet built with and without the
@@ -49,13 +49,13 @@ import msgspec
 from bench.ceiling import run_ceiling
 from bench.score_before import score_before
 from bench.workload import WorkloadConfig, generate
-from bridge.events import BlockStored
-from bridge.markers import StreamStarted
-from bridge.records import Envelope, Record
-from bridge.score import make_request, parse_body, score, score_groups
-from bridge.state import CacheState
-from bridge.stateserve import _staleness, parse_score_body, score_view
+from bridge.consume.score import make_request, parse_body, score, score_groups
+from bridge.consume.state import CacheState
+from bridge.consume.stateserve import _staleness, parse_score_body, score_view
+from bridge.log.markers import StreamStarted
+from bridge.log.records import Envelope, Record
 from bridge.vllm.decoder import decode_batch
+from bridge.vllm.events import BlockStored
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODEL = "bench-model"

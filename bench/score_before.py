@@ -1,6 +1,6 @@
 """The scoring code as it was before the p99 round (issue 16), kept for bench/score.py's
 interleaved before/after timing only: the walk (``ContentIndex.score`` then) and the rows
-(``bridge.score.score`` then), unchanged but for their names. Not used by the bridge."""
+(``bridge.consume.score.score`` then), unchanged but for their names. Not used by the bridge."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from hashlib import blake2b
 from operator import itemgetter
 from typing import Any
 
-from bridge.contentindex import ContentIndex, StreamKey
-from bridge.contentkeys import KEY_BYTES, lora_of, query_extras
-from bridge.score import ScoreError, ScoreRequest
-from bridge.state import CacheState
+from bridge.consume.contentindex import ContentIndex, StreamKey
+from bridge.consume.contentkeys import KEY_BYTES, lora_of, query_extras
+from bridge.consume.score import ScoreError, ScoreRequest
+from bridge.consume.state import CacheState
 
 
 def walk_before(

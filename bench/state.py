@@ -34,12 +34,12 @@ from confluent_kafka import Producer
 
 from bench.kafka import broker, new_topic
 from bench.workload import WorkloadConfig, pod_payloads
-from bridge.consumer import TopicReader
-from bridge.events import BlockStored
-from bridge.markers import StreamStarted
-from bridge.records import Envelope, Record, RecordCodec
-from bridge.state import CacheState
+from bridge.consume.reader import TopicReader
+from bridge.consume.state import CacheState
+from bridge.log.markers import StreamStarted
+from bridge.log.records import Envelope, Record, RecordCodec
 from bridge.vllm.decoder import decode_batch
+from bridge.vllm.events import BlockStored
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 EPOCH = 1_767_225_600_000

@@ -26,10 +26,10 @@ from typing import Any
 
 import msgpack
 
-from bridge.events import EventBatch
 from bridge.simulator.model import ModelConfig, PrefixCacheModel, shared_templates
 from bridge.simulator.pod import resolve_hash_mode
 from bridge.vllm.encoder import encode_batch
+from bridge.vllm.events import EventBatch
 from bridge.vllm.releases import Release
 
 __all__ = ["BASE_TS", "WorkloadConfig", "describe", "generate", "pod_payloads"]

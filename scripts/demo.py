@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bridge.consumer import TopicReader
+from bridge.consume.reader import TopicReader
 
 TOPIC = "kv-events"
 BATCHES = 300

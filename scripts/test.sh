@@ -23,7 +23,7 @@ if ! command -v docker-compose >/dev/null; then
         fi
     else
         echo "warning: docker-compose is missing and cannot be installed (not root):" \
-            "tests/test_compose.py will fail; install Debian's docker-compose package" >&2
+            "tests/deploy/test_compose.py will fail; install Debian's docker-compose package" >&2
     fi
 fi
 

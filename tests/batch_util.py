@@ -5,9 +5,9 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from bridge.events import EventBatch
 from bridge.simulator.model import ModelConfig, PrefixCacheModel
 from bridge.vllm.encoder import encode_batch
+from bridge.vllm.events import EventBatch
 from bridge.vllm.releases import Release
 
 # A small, busy cache: every event type and form within a few steps.

@@ -6,12 +6,12 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from bridge.checker import compare_with_sent
-from bridge.config import BridgeConfig, PodConfig
-from bridge.consumer import TopicReader
-from bridge.localrun import wait_until
-from bridge.records import Record
-from bridge.runner import Bridge
+from bridge.consume.checker import compare_with_sent
+from bridge.consume.reader import TopicReader
+from bridge.ingest.runner import Bridge
+from bridge.log.records import Record
+from bridge.ops.config import BridgeConfig, PodConfig
+from bridge.ops.localrun import wait_until
 
 
 @contextmanager
@@ -70,5 +70,5 @@ def wait_topic_agrees(
 
 
 def metric(bridge: Bridge, name: str, **labels: str) -> float:
-    value = bridge.metrics.registry.get_sample_value(name, labels)
+    value = bridge.ops.metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value

@@ -9,9 +9,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bridge.cli import build_parser, resolve_run_config
-from bridge.config import BridgeConfig, parse_duration
-from bridge.metrics import BridgeMetrics
+from bridge.cli.main import build_parser, resolve_run_config
+from bridge.ops.config import BridgeConfig, parse_duration
+from bridge.ops.metrics import BridgeMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "KVBRIDGE_"

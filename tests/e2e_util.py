@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bridge import localrun
+from bridge.ops import localrun
 
 REPO = Path(__file__).resolve().parent.parent
 

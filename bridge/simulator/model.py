@@ -60,7 +60,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from bridge.events import (
+from bridge.vllm.encoder import normal_hash
+from bridge.vllm.events import (
     REMAINING_COPY_COUNTS,
     AllBlocksCleared,
     BlockRemoved,
@@ -68,7 +69,6 @@ from bridge.events import (
     VllmEvent,
     copy_counts,
 )
-from bridge.vllm.encoder import normal_hash
 from bridge.vllm.releases import Release
 
 MAX_TOKEN_ID = 150_000

@@ -33,9 +33,7 @@ from typing import Any, TextIO
 
 import zmq
 
-from bridge.config import offset_port
-from bridge.events import BlockRemoved, BlockStored, EventBatch, VllmEvent
-from bridge.jsonview import event_to_json
+from bridge.ops.config import offset_port
 from bridge.simulator.model import (
     ModelConfig,
     PrefixCacheModel,
@@ -44,6 +42,7 @@ from bridge.simulator.model import (
     shared_templates,
 )
 from bridge.vllm.encoder import encode_batch, normal_hash
+from bridge.vllm.events import BlockRemoved, BlockStored, EventBatch, VllmEvent
 from bridge.vllm.framing import (
     FrameError,
     live_frames,
@@ -51,6 +50,7 @@ from bridge.vllm.framing import (
     replay_end_frames,
     replay_reply_frames,
 )
+from bridge.vllm.jsonview import event_to_json
 from bridge.vllm.releases import Release, as_release
 
 __all__ = [

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgpack
 
-from bridge.events import (
+from bridge.vllm.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

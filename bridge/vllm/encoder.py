@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import msgpack
 
-from bridge.events import (
+from bridge.vllm.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -7,7 +7,7 @@ whose events are all arrays (≤ 0.23) or all maps (≥ 0.24) of known types, wi
 unknown field, every value in its domain. None means "ask the general decoder", which
 then gives the result or the exact error; so the fast path never decides an error
 itself, it only accepts what the general path accepts, with the same result
-(``tests/test_decoder_fast_path.py`` checks this on generated and hostile batches).
+(``tests/vllm/test_decoder_fast_path.py`` checks this on generated and hostile batches).
 
 The domains are the general decoder's, written as msgspec constraints: int hashes are
 any msgpack int (exactly the signed/unsigned 64-bit range), byte hashes are not empty,
@@ -25,7 +25,7 @@ from typing import Annotated
 
 import msgspec
 
-from bridge.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, VllmEvent
+from bridge.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, VllmEvent
 
 __all__ = ["decode_typed"]
 
