@@ -70,5 +70,5 @@ def wait_topic_agrees(
 
 
 def metric(bridge: Bridge, name: str, **labels: str) -> float:
-    value = bridge.ops.metrics.registry.get_sample_value(name, labels)
+    value = bridge.metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value

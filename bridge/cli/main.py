@@ -573,7 +573,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cfg.metrics_port:
         from bridge.ops.health import HealthServer
 
-        http = HealthServer(bridge.ops.metrics.registry, bridge.liveness, bridge.readiness)
+        http = HealthServer(bridge.metrics.registry, bridge.liveness, bridge.readiness)
         http.start(cfg.metrics_port, cfg.metrics_host)
         log.info(
             "metrics and health on http://%s:%d (/metrics, /healthz, /readyz)",

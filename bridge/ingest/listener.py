@@ -126,7 +126,7 @@ class ListenDiscovery:
         self.max_pods = max_pods
         self.replay_template = replay_template
         self.discovered: set[str] = set()
-        registry = bridge.ops.metrics.registry
+        registry = bridge.metrics.registry
         self.found = Counter(
             "kvbridge_listen_discovered",
             "Pods (kind=pod) and ranks of known pods (kind=rank) followed from listen topics",

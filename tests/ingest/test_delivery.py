@@ -211,7 +211,7 @@ def wait_progress(bridge: BridgeProc, streams: int, timeout: float = 60.0) -> No
 
     def moved() -> bool:
         bridge.assert_alive()
-        m = bridge.ops.metrics()
+        m = bridge.metrics()
         replayed = m.get('kvbridge_replays_total{outcome="succeeded"}', 0)
         return m.get("kvbridge_records_out_total", 0) > 0 or replayed >= streams
 
@@ -603,7 +603,7 @@ def test_sigterm_flushes_and_checkpoints(kafka_bootstrap, make_topic, tmp_path, 
 
         def resumed() -> bool:
             bridge.assert_alive()
-            replays = bridge.ops.metrics().get('kvbridge_replays_total{outcome="succeeded"}', 0)
+            replays = bridge.metrics().get('kvbridge_replays_total{outcome="succeeded"}', 0)
             return replays >= 3 and replays_served(fleet) >= served + 3
 
         wait_for(resumed, 60, "the restarted bridge to replay each stream from its checkpoint")
@@ -653,7 +653,7 @@ def test_sigterm_with_the_broker_down_exits_within_the_shutdown_timeout(tmp_path
             bridge.assert_alive()
             if exactly_once:
                 return "commit waiting for Kafka" in bridge.stderr()
-            return bridge.ops.metrics().get("kvbridge_producer_queue", 0) > 0
+            return bridge.metrics().get("kvbridge_producer_queue", 0) > 0
 
         wait_for(stuck, 60, "records waiting for the killed broker")
         code, took = bridge.terminate(SHUTDOWN_TIMEOUT + EXIT_SLACK)

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.timeout(120)]
 
 
 def lost_total(bridge, pod: str) -> float:
-    samples = bridge.ops.metrics.registry.collect()
+    samples = bridge.metrics.registry.collect()
     return sum(
         s.value
         for fam in samples

@@ -73,7 +73,7 @@ def test_unsplittable_oversized_batch_is_one_events_lost_and_the_bridge_goes_on(
                 60,
                 "the good pod's records to be acknowledged",
             )
-            bridge.ingest.pipeline.flush_metrics()
+            bridge.pipeline.flush_metrics()
             assert (
                 metric(bridge, "kvbridge_decode_errors_total", pod="big", kind="oversized_record")
                 == 2

@@ -63,4 +63,4 @@ def test_1000_pods_open_in_one_process(kafka_bootstrap, make_topic):
     with running_bridge(kafka_bootstrap, topic, pods) as bridge:
         assert len(bridge.streams) == 1000
         assert all(s.sub is not None and s.dealer is not None for s in bridge.streams)
-        assert len(bridge.log.registry.handlers) == 3000
+        assert len(bridge.registry.handlers) == 3000

@@ -22,7 +22,7 @@ CACHE = ModelConfig(capacity=48, clear_prob=0.02)
 def samples(bridge, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     """Every sample of one metric, by its labels."""
     out = {}
-    for family in bridge.ops.metrics.registry.collect():
+    for family in bridge.metrics.registry.collect():
         for s in family.samples:
             if s.name == name:
                 out[tuple(sorted(s.labels.items()))] = s.value
