@@ -27,7 +27,7 @@ from typing import Any
 import msgpack
 
 from bridge.simulator.model import ModelConfig, PrefixCacheModel, shared_templates
-from bridge.simulator.pod import resolve_hash_mode
+from bridge.simulator.spec import resolve_hash_mode
 from bridge.vllm.encoder import encode_batch
 from bridge.vllm.events import EventBatch
 from bridge.vllm.releases import Release

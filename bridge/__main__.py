@@ -1,5 +1,5 @@
 import sys
 
-from bridge.cli.main import main
+from bridge.cli import main
 
 sys.exit(main())

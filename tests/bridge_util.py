@@ -6,8 +6,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from bridge.consume.checker import compare_with_sent
 from bridge.consume.reader import TopicReader
+from bridge.consume.sentlog import compare_with_sent
 from bridge.ingest.runner import Bridge
 from bridge.log.records import Record
 from bridge.ops.config import BridgeConfig, PodConfig

@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bridge.cli.main import build_parser, resolve_run_config
+from bridge.cli.commands import build_parser
+from bridge.cli.run import resolve_run_config
 from bridge.ops.config import BridgeConfig, parse_duration
 from bridge.ops.metrics import BridgeMetrics
 

@@ -1,13 +1,11 @@
-"""Every ``kvbridge`` command: arguments, settings resolution and the glue to the stages.
+"""Every ``kvbridge`` command: one module per command, the settings they resolve, and
+:mod:`~bridge.cli.commands`, which puts them under one parser.
 
 The top of the import graph: it may import every subpackage, and nothing imports it.
 """
 
 from __future__ import annotations
 
+from bridge.cli.commands import main
 
-def main(argv: list[str] | None = None) -> int:
-    """``kvbridge``'s entry point (kept here too: ``bridge.cli:main`` before the layout)."""
-    from bridge.cli.main import main as run
-
-    return run(argv)
+__all__ = ["main"]

@@ -39,6 +39,11 @@ def duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def add_log_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"])
+
+
 def add_state_policy_arg(p: argparse.ArgumentParser) -> None:
     """``--state-policy``: how the cache-state model counts repeated stores of a hash."""
     import os

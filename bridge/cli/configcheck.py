@@ -7,6 +7,7 @@ client that is closed at once, without contacting Kafka) whether it accepts the 
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import re
@@ -351,3 +352,23 @@ def run_config_check(args: Any, resolve: Callable[..., BridgeConfig], out: Any =
         for note in notes:
             out.write(f"# warning: {note}\n")
     return 0
+
+
+def configure_parser(sub: Any, run: argparse.ArgumentParser) -> None:
+    """Add `kvbridge config check`, which takes every option of ``run``."""
+    config = sub.add_parser("config", help="check the run configuration")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    check_config = config_sub.add_parser(
+        "check",
+        parents=[run],
+        add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="validate and print the effective configuration of `run` with the same options",
+        description="Resolve the settings exactly as `kvbridge run` does (flags, then KVBRIDGE_* "
+        "environment variables, then --config FILE, then defaults), validate them (librdkafka "
+        "properties included; Kafka is not contacted) and print the effective configuration, "
+        "with where each value came from and secrets masked. Exit 0 if valid, 2 if not.",
+    )
+    check_config.add_argument(
+        "--format", choices=["toml", "json"], default="toml", help="output format (toml)"
+    )

@@ -16,12 +16,9 @@ handler threads answer from it under the same lock:
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import logging
-import signal
-import sys
 import threading
 import time
 from http import HTTPStatus
@@ -36,8 +33,8 @@ from bridge.consume.score import ScoreError, ScoreRequest, parse_body, score_gro
 from bridge.consume.score import score as score_rows
 from bridge.consume.state import DEFAULT_POLICY, CacheState
 from bridge.consume.statesync import PartitionWatch
-from bridge.consume.statetopic import DEFAULT_STATE_TOPIC, EventTail, load_state
-from bridge.ops.config import KafkaUnreachable, kafka_unreachable
+from bridge.consume.statetopic import EventTail, load_state
+from bridge.ops.config import kafka_unreachable
 from bridge.vllm.events import parse_hash_text
 
 log = logging.getLogger(__name__)
@@ -486,90 +483,3 @@ class StateServer(ThreadingHTTPServer):
     @property
     def port(self) -> int:
         return self.server_address[1]
-
-
-# --- command line ---------------------------------------------------------------------------
-
-
-def configure_parser(sub: Any) -> None:
-    """Add `kvbridge state` to the subcommands."""
-    from bridge.cli.args import add_kafka_args, add_state_policy_arg
-
-    p = sub.add_parser(
-        "state",
-        help="the live cache state: print it, or serve it over HTTP (--serve)",
-        description="Follow kv-events (after loading --state-topic, if given) and keep every "
-        "pod's cache state current. With --serve, answer over HTTP: GET /pods, "
-        "GET /prefix?hashes=1,2,3[&medium=GPU], POST /prefix, POST /score (a prompt's token "
-        "ids), GET /healthz, GET /readyz. "
-        "Without it, print the state once caught up, as JSON, and exit.",
-    )
-    add_kafka_args(p)
-    add_state_policy_arg(p)
-    p.add_argument(
-        "--state-topic",
-        nargs="?",
-        const=DEFAULT_STATE_TOPIC,
-        metavar="NAME",
-        help="bootstrap from this compacted state topic (kvbridge state-sync), then tail "
-        "kv-events from the offsets it holds (default name kv-state); without it, replay "
-        "kv-events from the beginning",
-    )
-    p.add_argument("--serve", action="store_true", help="serve the state over HTTP")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="HTTP port (8080; 0 = any free port)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", default="text", choices=["text", "json"])
-
-
-def run(args: argparse.Namespace) -> int:
-    from bridge.cli.args import kafka_target
-    from bridge.ops.config import ConfigError
-
-    bootstrap, topic, overrides = kafka_target(args)
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port {args.port}: must be 0..65535")
-    if args.state_topic == topic:
-        raise ConfigError("--state-topic must differ from --topic (kvbridge state-sync writes it)")
-    live = LiveState(bootstrap, topic, args.state_topic, overrides, policy=args.state_policy)
-    if not args.serve:
-        live.start()
-        while not live.ready.wait(0.2):
-            if not live.alive:
-                break
-        live.stop()
-        if live.error is not None and kafka_unreachable(live.error):
-            raise KafkaUnreachable(bootstrap, live.error.args[0].str())
-        if live.error is not None:
-            raise RuntimeError(f"reading the state failed: {live.error}")
-        json.dump(live.pods(), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-        return 0
-    try:
-        server = StateServer(live, args.host, args.port)
-    except OSError as exc:
-        raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
-    stop = threading.Event()
-
-    def _stop(signum: int, _frame: Any) -> None:
-        log.info("%s: stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-    live.start()
-    t = threading.Thread(target=server.serve_forever, name="state-http", daemon=True)
-    t.start()
-    log.info("serving the state of %s on http://%s:%d/", topic, args.host, server.port)
-    try:
-        while not stop.wait(0.5):
-            if not live.alive:
-                break
-    finally:
-        server.shutdown()
-        server.server_close()
-        live.stop()
-    if live.error is not None:
-        print(f"kvbridge state: the consumer failed: {live.error}", file=sys.stderr)
-        return 1
-    return 0

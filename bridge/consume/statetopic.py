@@ -1,4 +1,4 @@
-"""The compacted kv-state topic on Kafka: `kvbridge state-sync` and the bootstrap loader.
+"""The compacted kv-state topic on Kafka: the syncer behind `kvbridge state-sync`, and the loader.
 
 ``kvbridge state-sync`` consumes kv-events (read_committed) and keeps kv-state, a compacted
 single-partition topic, equal to the cache state those events build (see
@@ -11,9 +11,7 @@ that stops after an offsets record has whole transactions only. A consumer boots
 
 from __future__ import annotations
 
-import argparse
 import logging
-import signal
 import threading
 import time
 import uuid
@@ -553,103 +551,3 @@ class StateSyncer:
         if self.producer is not None:
             self.producer.flush(10)
             self.producer = None
-
-
-# --- command line ---------------------------------------------------------------------------
-
-
-def configure_parser(sub: Any) -> None:
-    """Add `kvbridge state-sync` to the subcommands."""
-    from bridge.cli.args import add_kafka_args, add_state_policy_arg, duration
-
-    p = sub.add_parser(
-        "state-sync",
-        help="maintain the compacted kv-state topic (snapshot of every pod's cache) from kv-events",
-        description="Consume kv-events (read_committed) and keep the compacted state topic equal "
-        "to the cache state they build: one record per resident block, per stream, and the "
-        "kv-events offsets reflected, written atomically in Kafka transactions. Resumes from "
-        "the state topic on restart. See docs/state-topic.md.",
-    )
-    add_kafka_args(p)
-    add_state_policy_arg(p)
-    p.add_argument(
-        "--state-topic",
-        default=DEFAULT_STATE_TOPIC,
-        metavar="NAME",
-        help="compacted state topic, created if missing (default kv-state)",
-    )
-    p.add_argument(
-        "--transactional-id",
-        metavar="ID",
-        help="transactional id (default kvbridge-state-sync-<state topic>); run one state-sync "
-        "per state topic: a second one with the same id fences the first",
-    )
-    p.add_argument(
-        "--commit-interval",
-        type=duration,
-        default=0.2,
-        metavar="DURATION",
-        help="how often a transaction is committed (200ms)",
-    )
-    p.add_argument(
-        "--partition-check-interval",
-        type=duration,
-        default=30.0,
-        metavar="DURATION",
-        help="how often to check kv-events for added partitions, which are then read from "
-        "their beginning (30s)",
-    )
-    p.add_argument(
-        "--until-caught-up",
-        action="store_true",
-        help="exit once the end of kv-events seen at start is in the state topic",
-    )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", default="text", choices=["text", "json"])
-
-
-def run(args: argparse.Namespace) -> int:
-    from bridge.cli.args import kafka_target
-    from bridge.ops.config import ConfigError
-
-    bootstrap, topic, overrides = kafka_target(args)
-    if args.commit_interval <= 0:
-        raise ConfigError("--commit-interval must be > 0")
-    if args.partition_check_interval <= 0:
-        raise ConfigError("--partition-check-interval must be > 0")
-    if args.state_topic == topic:
-        raise ConfigError("--state-topic must differ from --topic")
-    syncer = StateSyncer(
-        bootstrap,
-        topic,
-        args.state_topic,
-        args.transactional_id,
-        overrides,
-        commit_interval=args.commit_interval,
-        partition_check_interval=args.partition_check_interval,
-        policy=args.state_policy,
-    )
-    stop = threading.Event()
-
-    def _stop(signum: int, _frame: Any) -> None:
-        log.info("%s: committing and stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-    try:
-        syncer.open()
-        syncer.run(stop, until_caught_up=args.until_caught_up)
-    finally:
-        syncer.close()
-    skipped = syncer.undecodable
-    log.info(
-        "state-sync stopped: %d records consumed, %d undecodable skipped%s, %d transactions, "
-        "offsets %s",
-        syncer.consumed,
-        skipped.count if skipped else 0,
-        f" (first: {'; '.join(skipped.samples())})" if skipped and skipped.count else "",
-        syncer.commits,
-        syncer.sync.offsets,
-    )
-    return 0

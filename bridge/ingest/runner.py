@@ -1,9 +1,15 @@
-"""`kvbridge run`: one event loop over every stream's sockets, feeding the Kafka sink."""
+"""The bridge: one event loop over every stream's sockets, feeding the Kafka sink.
+
+:class:`Bridge` follows the pods (added and removed while it runs), opens each stream at its
+checkpoint, turns the loop, and makes what it read durable: checkpoints of acknowledged
+batches (at-least-once) or Kafka transactions (exactly-once). Its topics are kept by
+:mod:`bridge.ingest.topics`, its health answered by :mod:`bridge.ingest.probes`; the
+process around it (signals, exit codes) is :mod:`bridge.cli.run`.
+"""
 
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import threading
 import time
@@ -13,18 +19,19 @@ from dataclasses import replace
 
 import zmq
 from confluent_kafka import KafkaError, KafkaException
-from prometheus_client import Gauge
 
 from bridge.ingest.listener import ListenDiscovery, SharedListener
 from bridge.ingest.pipeline import Pipeline, StreamInfo
+from bridge.ingest.probes import BridgeProbes
 from bridge.ingest.replaylimit import ReplayLimiter
 from bridge.ingest.sequencer import SequencerConfig, payload_digest
 from bridge.ingest.subscriber import ReconnectPolicy, SocketRegistry, StreamSubscriber
+from bridge.ingest.topics import Topics
 from bridge.log.checkpoints import Checkpoint, checkpoint_key, load_checkpoints
 from bridge.log.markers import KAFKA_REFUSED, EventsLost, PodRemoved
-from bridge.log.partitioning import TopicPin, decide_pin, partition_for, recorded_count
-from bridge.log.records import RecordCodec, schema_dir
-from bridge.log.sink import Fenced, KafkaSink, ensure_topic, topic_max_message_bytes
+from bridge.log.partitioning import TopicPin, partition_for
+from bridge.log.records import RecordCodec
+from bridge.log.sink import Fenced, KafkaSink, ensure_topic
 from bridge.ops.config import (
     BridgeConfig,
     PodConfig,
@@ -88,20 +95,9 @@ class Bridge:
         self.streams: list[StreamSubscriber] = []
         self.pods: dict[str, PodConfig] = {}  # the pods followed (this shard's), by name
         self._requests: deque[tuple[str, PodConfig | str, str]] = deque()  # from other threads
-        self._topics_ready: set[str] = set()
-        # Per kv-events topic, the partition count its pods are produced with (pinned).
-        self.pins: dict[str, TopicPin] = {}
-        self._loaded: dict[tuple[str, int], Checkpoint] | None = None  # checkpoints at start
-        self._partitions_warned: dict[str, int] = {}  # topic -> current count warned about
-        self._watch_stop = threading.Event()
-        self._watcher: threading.Thread | None = None
-        self.topic_partitions = Gauge(
-            "kvbridge_topic_partitions",
-            "Partitions of each kv-events topic: kind=current (the topic's count) and "
-            "kind=pinned (the count pods are spread over; differs after partitions were added, "
-            "until a restart with --repartition)",
-            ["topic", "kind"],
-            registry=self.metrics.registry,
+        self.probes = BridgeProbes(self)  # /healthz, /readyz
+        self.topics = Topics(
+            config, self.sink, self.codec, self.metrics.registry, on_adopt=self._record_pin
         )
         self._last_epoch: dict[str, int] = {}
         self.listeners: list[SharedListener] = []
@@ -166,80 +162,7 @@ class Bridge:
         c = self.config
         return shard_of(pod_name, c.shard_count) == c.shard_index
 
-    def _ensure_topic(self, topic: str) -> None:
-        if topic not in self._topics_ready:
-            c = self.config
-            ensure_topic(
-                c.bootstrap_servers,
-                topic,
-                partitions=c.topic_partitions,
-                replication=c.topic_replication,
-                overrides=_admin_props(c.kafka),
-            )
-            limit = topic_max_message_bytes(c.bootstrap_servers, topic, _admin_props(c.kafka))
-            self.sink.set_topic_limit(topic, limit)
-            self.sink.fit_batches(self.sink.record_limit(topic)[1])
-            log.info(
-                "topic %s: records up to %d bytes (max.message.bytes %s, producer "
-                "message.max.bytes %d); a larger BlockStored is split, anything else larger "
-                "is written as EventsLost",
-                topic,
-                self.sink.record_limit(topic)[0],
-                "unknown" if limit is None else limit,
-                self.sink.client_limit,
-            )
-            registry = getattr(self.codec, "registry", None)
-            if registry is not None and "{" in c.topic:
-                # Each topic a template yields gets its own subject (<topic>-value); the
-                # registry gives one id per schema, so the codec's header serves them all.
-                schema = json.loads((schema_dir() / "kv_event.avsc").read_text())
-                reg = registry.register(topic, schema)  # as writer_codec registered it
-                if reg.header != self.codec.header:
-                    raise RuntimeError(
-                        f"schema registry gave schema id {reg.schema_id} for {reg.subject}, "
-                        f"not the id registered for {topic_base(c.topic)}-value; this bridge "
-                        "writes one id to every topic: use a registry that ids schemas globally"
-                    )
-            self._topics_ready.add(topic)
-        if topic not in self.pins and self._loaded is not None:
-            self._pin_topic(topic)
-
-    # -- partition pinning (bridge/log/partitioning.py) -------------------------------------------
-    PARTITION_CHECK_INTERVAL = 60.0  # seconds between checks of the topics' partition counts
-    PARTITION_CHECK_TIMEOUT = 2.0  # a metadata request slower than this: checked next time
-
-    def _pin_topic(self, topic: str) -> TopicPin:
-        """Decide ``topic``'s pinned partition count (recorded in the checkpoints, else the
-        topic's current count; the current one with --repartition), log and export it."""
-        current = self.sink.partition_count(topic, timeout=10.0)
-        if current is None:
-            raise RuntimeError(
-                f"cannot read the partition count of topic {topic!r} from Kafka; check that "
-                "the broker is reachable and the topic exists"
-            )
-        recorded = recorded_count((self._loaded or {}).values(), topic)
-        pin = decide_pin(topic, recorded, current, self.config.repartition)
-        self.pins[topic] = pin
-        self.topic_partitions.labels(topic, "pinned").set(pin.pinned)
-        self.topic_partitions.labels(topic, "current").set(pin.current)
-        if pin.adopted:
-            log.warning(
-                "topic %s: %s; pods whose partition changes start a new epoch (StreamStarted) "
-                "in their new partition",
-                topic,
-                pin.adoption(),
-            )
-            self._record_pin(pin)
-        else:
-            log.info(
-                "topic %s: pods spread over %d partitions (%s)",
-                topic,
-                pin.pinned,
-                "recorded in the checkpoints" if recorded is not None else "the topic's count",
-            )
-        self._warn_partitions(topic, current)
-        return pin
-
+    # -- partition pinning (bridge/ingest/topics.py, bridge/log/partitioning.py) ---------------
     def _record_pin(self, pin: TopicPin) -> None:
         """After adopting a new count: rewrite the checkpoints of the topic's streams that keep
         their partition with the new count, so the next start pins it even if those streams
@@ -255,29 +178,9 @@ class Bridge:
             self.committed[(pod, rank)] = cp
             self.sink.produce(checkpoint_key(pod, rank), cp.encode(), topic=self.checkpoint_topic)
 
-    def _warn_partitions(self, topic: str, current: int) -> None:
-        """One warning per topic and new partition count that differs from the pinned one."""
-        pin = self.pins[topic]
-        self.topic_partitions.labels(topic, "current").set(current)
-        if current == pin.pinned or self._partitions_warned.get(topic) == current:
-            return
-        self._partitions_warned[topic] = current
-        log.warning("%s", replace(pin, current=current).warning())
-
-    def _watch_partitions(self) -> None:
-        """Thread: every PARTITION_CHECK_INTERVAL, compare each topic's partition count with
-        the pinned one (a metadata request per topic; warns, never moves a pod)."""
-        while not self._watch_stop.wait(self.PARTITION_CHECK_INTERVAL):
-            for topic in list(self.pins):
-                if self._watch_stop.is_set():
-                    return
-                current = self.sink.partition_count(topic, self.PARTITION_CHECK_TIMEOUT)
-                if current is not None:
-                    self._warn_partitions(topic, current)
-
     def open(self) -> None:
         c = self.config
-        admin = _admin_props(c.kafka)
+        admin = shared_kafka_properties(c.kafka)
         mine = [p for p in c.pods if self.owns(p.name)]
         if c.shard_count > 1:
             log.info(
@@ -291,7 +194,7 @@ class Bridge:
         if "{" not in c.topic:
             topics.add(c.topic)  # created up front even before a pod is discovered
         for topic in sorted(topics):
-            self._ensure_topic(topic)
+            self.topics.ensure(topic)
         ensure_topic(
             c.bootstrap_servers,
             self.checkpoint_topic,
@@ -308,9 +211,7 @@ class Bridge:
         self.committed = load_checkpoints(
             c.bootstrap_servers, self.checkpoint_topic, overrides=admin
         )
-        self._loaded = dict(self.committed)
-        for topic in sorted(self._topics_ready):
-            self._pin_topic(topic)
+        self.topics.load(self.committed.values())
         if self.committed:
             log.info(
                 "resuming %d streams from checkpoints in %s",
@@ -370,7 +271,7 @@ class Bridge:
                 f"pod {pod.name}: discovered pods need a pub endpoint, or a topic and a listen "
                 f"socket for each of its {pod.dp_size} rank(s)"
             )
-        self._ensure_topic(self.config.topic_for(pod))  # blocking: done in the caller's thread
+        self.topics.ensure(self.config.topic_for(pod))  # blocking: done in the caller's thread
         self._requests.append(("add", pod, ""))
         return True
 
@@ -442,7 +343,7 @@ class Bridge:
         replay = pod.replay_endpoint(rank)
         where = pub or f"{self.listeners[rank].endpoint} topic {pod.topic}"
         topic = c.topic_for(pod)
-        pin = self.pins.get(topic) or self._pin_topic(topic)
+        pin = self.topics.pin_of(topic)
         info = StreamInfo(pod.name, pod.model, rank, where, topic=topic, uid=pod.uid)
         info.partition = partition_for(info.key, pin.pinned)
         cp = self.committed.get((pod.name, rank))
@@ -513,7 +414,7 @@ class Bridge:
                 continue
             epoch, seq, payload = pos
             digest = None if payload is None else payload_digest(payload)
-            pin = self.pins.get(info.topic or "")
+            pin = self.topics.pins.get(info.topic or "")
             cp = Checkpoint(
                 epoch, seq, digest, info.uid, info.topic, None if pin is None else pin.pinned
             )
@@ -611,10 +512,7 @@ class Bridge:
         gc.collect()
         gc.freeze()
         gc.set_threshold(max(gc_threshold[0], GC_GEN0_THRESHOLD), *gc_threshold[1:])
-        self._watcher = threading.Thread(
-            target=self._watch_partitions, name="partition-watch", daemon=True
-        )
-        self._watcher.start()
+        self.topics.start_watch()
         try:
             while not self.stop.is_set():
                 now = time.monotonic()
@@ -695,10 +593,7 @@ class Bridge:
         the next start re-reads those batches from the engines' replay buffers."""
         timeout = self.config.shutdown_timeout
         deadline = time.monotonic() + timeout
-        self._watch_stop.set()
-        if self._watcher is not None:
-            # before the producer closes
-            self._watcher.join(min(self.PARTITION_CHECK_TIMEOUT + 5, timeout))
+        self.topics.stop_watch(timeout)
         for s in self.streams:
             s.sync_metrics()
             s.close()
@@ -747,78 +642,6 @@ class Bridge:
             # destroy, not term: a socket left open by a failed open() would block term()
             self.ctx.destroy(linger=0)
 
-    # -- health (/healthz, /readyz; called from the HTTP server's threads) ---------------------
-    LIVENESS_TIMEOUT = 30.0  # the event loop must have turned this recently
-    KAFKA_PROBE_TIMEOUT = 2.0  # a metadata request slower than this: Kafka unreachable
-    KAFKA_PROBE_CACHE = 2.0  # seconds a probe result is reused
-
-    def liveness(self) -> tuple[bool, dict[str, object]]:
-        """Alive while the event loop turns (and while starting, before it runs)."""
-        last = getattr(self, "last_turn", None)
-        if last is None:
-            return True, {"state": "starting"}
-        age = time.monotonic() - last
-        state = "stopping" if self.stop.is_set() else "running"
-        details: dict[str, object] = {"state": state, "loop_turned_seconds_ago": round(age, 3)}
-        if age >= self.LIVENESS_TIMEOUT:
-            details["reason"] = f"the event loop has not turned for {age:.0f}s"
-            return False, details
-        return True, details
-
-    def readiness(self) -> tuple[bool, dict[str, object]]:
-        """Ready when the loop runs, the producer is usable and Kafka answers a metadata
-        request for the checkpoint topic (cached for a few seconds)."""
-        reasons: list[str] = []
-        alive, live = self.liveness()
-        if live["state"] == "starting":
-            reasons.append("starting: the bridge has not finished opening (topics, checkpoints)")
-        elif not alive:
-            reasons.append(str(live["reason"]))
-        if self.sink.fatal is not None:
-            reasons.append(f"the Kafka producer failed fatally: {self.sink.fatal.str()}")
-        if self.stop.is_set():  # the producer may be closed already: do not touch it
-            reasons.append("stopping")
-            kafka = "not checked (stopping)"
-        else:
-            kafka_ok, kafka = self._kafka_probe()
-            if not kafka_ok:
-                reasons.append(f"Kafka is not reachable: {kafka}")
-        streams = list(self.streams)
-        details: dict[str, object] = {
-            "kafka": kafka,
-            "streams": len(streams),
-            "streams_connected": sum(1 for st in streams if getattr(st, "connected", False)),
-        }
-        silent = [st for st in streams if getattr(st, "silent", False)]
-        if silent:  # not a reason to be unready (an idle engine is fine), but say which
-            details["streams_silent"] = [f"{st.info.pod} rank {st.info.dp_rank}" for st in silent]
-        if reasons:
-            details["reasons"] = reasons
-        return not reasons, details
-
-    def _kafka_probe(self) -> tuple[bool, str]:
-        lock = self.__dict__.setdefault("_probe_lock", threading.Lock())
-        with lock:
-            cached = getattr(self, "_probe_result", None)
-            now = time.monotonic()
-            if cached is not None and now - cached[0] < self.KAFKA_PROBE_CACHE:
-                return cached[1], cached[2]
-            topic = self.checkpoint_topic
-            try:
-                md = self.sink._producer.list_topics(topic, timeout=self.KAFKA_PROBE_TIMEOUT)
-                t = md.topics.get(topic)
-                if t is None or t.error is not None:
-                    ok, what = False, f"topic {topic}: {getattr(t, 'error', None) or 'missing'}"
-                elif any(p.leader < 0 for p in t.partitions.values()):
-                    ok, what = False, f"topic {topic} has a partition without a leader"
-                else:
-                    ok, what = True, f"reachable ({len(md.brokers)} brokers)"
-            except KafkaException as exc:
-                err = exc.args[0] if exc.args else exc
-                ok, what = False, f"metadata request failed: {getattr(err, 'str', lambda: err)()}"
-            self._probe_result = (time.monotonic(), ok, what)
-            return ok, what
-
 
 def _raise_fd_limit(wanted: int) -> None:
     """Each stream holds several file descriptors; lift the soft limit toward the hard one."""
@@ -842,12 +665,6 @@ def _grows(old: PodConfig, new: PodConfig) -> bool:
     """Whether ``new`` is ``old`` with more data-parallel ranks (a listen pod seen on a higher
     rank): the ranks followed already are kept, the new ones are added."""
     return new.dp_size > old.dp_size and replace(new, dp_size=old.dp_size) == old
-
-
-def _admin_props(kafka: dict[str, str]) -> dict[str, str]:
-    """librdkafka properties that also apply to the AdminClient and the checkpoint consumer:
-    all but the producer-only ones (security, networking, client.id, ...)."""
-    return shared_kafka_properties(kafka)
 
 
 __all__ = ["Bridge"]

@@ -10,18 +10,17 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from bridge.ingest.pipeline import Pipeline, StreamInfo
-from bridge.ingest.replaylimit import ReplayLimiter
-from bridge.ingest.sequencer import (
+from bridge.ingest.actions import (
     Deliver,
     EventsLost,
     PublisherRestarted,
     ResetReplay,
     SendReplay,
-    SequencerConfig,
-    StreamSequencer,
     StreamStarted,
 )
+from bridge.ingest.pipeline import Pipeline, StreamInfo
+from bridge.ingest.replaylimit import ReplayLimiter
+from bridge.ingest.sequencer import SequencerConfig, StreamSequencer
 from bridge.log import markers
 from bridge.ops.ratelimit import RateLimitedLog
 from bridge.vllm.framing import (

@@ -1,7 +1,10 @@
 """Simulated vLLM pods for tests and demos (`kvbridge simulate`).
 
 ``model``: a pure prefix-cache model producing each engine step's events.
-``pod``: real ZeroMQ PUB + replay ROUTER publishers per DP rank, with fault injection.
+``spec``: what a pod is (release, hash mode, ports, rate, faults).
+``publisher``: one DP rank's publisher thread (PUB + replay ROUTER), with fault injection,
+and the sent-log of every batch.
+``pod``: pods and fleets, binding the sockets of every rank.
 """
 
 from bridge.simulator.model import (
@@ -12,15 +15,9 @@ from bridge.simulator.model import (
     chain_hash,
     residency,
 )
-from bridge.simulator.pod import (
-    PodSpec,
-    RankEndpoints,
-    SentLog,
-    SimulatedFleet,
-    SimulatedPod,
-    default_hash_mode,
-    resolve_hash_mode,
-)
+from bridge.simulator.pod import SimulatedFleet, SimulatedPod
+from bridge.simulator.publisher import SentLog
+from bridge.simulator.spec import PodSpec, RankEndpoints, default_hash_mode, resolve_hash_mode
 
 __all__ = [
     "ModelConfig",

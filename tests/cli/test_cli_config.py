@@ -7,8 +7,9 @@ import json
 import pytest
 
 from bridge.cli.args import kafka_target
+from bridge.cli.commands import build_parser, main
 from bridge.cli.configcheck import check_kafka_properties
-from bridge.cli.main import build_parser, main, resolve_run_config
+from bridge.cli.run import resolve_run_config
 from bridge.ops.config import ConfigError, is_secret, parse_pod, shared_kafka_properties
 
 POD = "name=a,model=m,pub=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558"

@@ -10,7 +10,7 @@ import pytest
 from bridge_util import read_all, running_bridge
 from e2e_util import run_cli, wait_for
 
-from bridge.consume.checker import SentComparer
+from bridge.consume.sentlog import SentComparer
 from bridge.ops.config import PodConfig
 from bridge.simulator.pod import PodSpec, SimulatedFleet
 

@@ -10,18 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.consume.checker import (
-    CheckReport,
-    SentComparer,
-    SentLogError,
-    TopicChecker,
-    check_topic,
-    compare_with_sent,
-    configure_parser,
-    load_sent_log,
-    run,
-)
+from bridge.cli.check import configure_parser, run
+from bridge.consume.checker import TopicChecker, check_topic
+from bridge.consume.checkreport import CheckReport
 from bridge.consume.reader import ConsumedRecord
+from bridge.consume.sentlog import SentComparer, SentLogError, compare_with_sent, load_sent_log
 from bridge.log.markers import EventsLost, PodRemoved, PublisherRestarted, StreamStarted
 from bridge.log.records import Envelope, Record
 from bridge.ops.config import ConfigError

@@ -280,7 +280,7 @@ RICH = dict(
 )
 def test_scores_equal_the_simulators_truth(release, hash_mode, config):
     from bridge.simulator.model import ModelConfig, PrefixCacheModel
-    from bridge.simulator.pod import normalized
+    from bridge.simulator.publisher import normalized
     from bridge.vllm.releases import as_release
 
     model = PrefixCacheModel(as_release(release), hash_mode, 7, ModelConfig(**config))

@@ -289,7 +289,7 @@ def test_any_record_sequence_matches_the_reference(steps, query, medium, policy)
 
 
 def test_query_parsing_accepts_vllm_keys_and_digests():
-    from bridge.cli.main import parse_query
+    from bridge.cli.read import parse_query
     from bridge.ops.config import ConfigError
 
     digest = "0x" + "ab" * 24 + "0102030405060708"

@@ -18,7 +18,7 @@ import pytest
 from bridge_util import read_all, running_bridge
 from e2e_util import run_cli, wait_for
 
-from bridge.consume.checker import compare_with_sent
+from bridge.consume.sentlog import compare_with_sent
 from bridge.consume.state import CacheState
 from bridge.log.records import Record
 from bridge.ops.config import PodConfig

@@ -21,7 +21,7 @@ from e2e_util import wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.consume.checker import compare_with_sent
+from bridge.consume.sentlog import compare_with_sent
 from bridge.consume.state import CacheState, StreamState
 from bridge.consume.statesync import Pending, StateSync, StateTopicError, load
 from bridge.consume.statetopic import (

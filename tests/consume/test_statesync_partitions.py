@@ -78,7 +78,7 @@ def test_added_partitions_enter_the_offsets_record_at_zero_and_reload():
 
 
 def test_cli_takes_the_check_interval_as_a_duration_and_refuses_zero(capsys):
-    from bridge.cli.main import build_parser, main
+    from bridge.cli.commands import build_parser, main
 
     args = build_parser().parse_args(["state-sync", "--partition-check-interval", "1m30s"])
     assert args.partition_check_interval == 90.0

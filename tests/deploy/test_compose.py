@@ -32,7 +32,8 @@ from deploy_util import (
     walk,
 )
 
-from bridge.cli.main import build_parser, resolve_run_config
+from bridge.cli.commands import build_parser
+from bridge.cli.run import resolve_run_config
 from bridge.cli.simulate import build_specs
 from bridge.ops.config import BridgeConfig
 from bridge.simulator.pod import PodSpec

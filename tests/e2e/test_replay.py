@@ -17,8 +17,8 @@ import pytest
 from bridge_util import read_all, running_bridge
 from e2e_util import run_cli, wait_for
 
-from bridge.consume.checker import compare_with_sent
 from bridge.consume.reader import TopicReader
+from bridge.consume.sentlog import compare_with_sent
 from bridge.log.markers import EventsLost, PublisherRestarted
 from bridge.ops.config import PodConfig
 from bridge.simulator.model import ModelConfig

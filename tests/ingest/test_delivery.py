@@ -38,8 +38,10 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
 from e2e_util import REPO, free_port_block, metric_totals, wait_for
 from kafka_broker import KafkaBroker
 
-from bridge.consume.checker import CheckReport, TopicChecker, check_topic, compare_with_sent
+from bridge.consume.checker import TopicChecker, check_topic
+from bridge.consume.checkreport import CheckReport
 from bridge.consume.reader import TopicReader
+from bridge.consume.sentlog import compare_with_sent
 from bridge.log.records import Record, RecordCodec, RecordError
 from bridge.simulator.model import ModelConfig
 from bridge.simulator.pod import PodSpec, SimulatedFleet

@@ -10,7 +10,8 @@ import pytest
 from bridge_util import metric, read_all, running_bridge, wait_topic_agrees
 from e2e_util import free_port_block, wait_for
 
-from bridge.consume.checker import check_topic, compare_with_sent
+from bridge.consume.checker import check_topic
+from bridge.consume.sentlog import compare_with_sent
 from bridge.log.markers import EventsLost, PublisherRestarted, StreamStarted
 from bridge.ops.config import PodConfig
 from bridge.simulator.pod import PodSpec, SimulatedFleet

@@ -15,8 +15,10 @@ import pytest
 from bridge_util import metric, read_all, running_bridge
 from e2e_util import free_port_block, wait_for
 
-from bridge.cli.main import build_parser, resolve_run_config
-from bridge.consume.checker import check_topic, compare_with_sent
+from bridge.cli.commands import build_parser
+from bridge.cli.run import resolve_run_config
+from bridge.consume.checker import check_topic
+from bridge.consume.sentlog import compare_with_sent
 from bridge.ingest.listentopics import (
     Follow,
     ListenTopic,

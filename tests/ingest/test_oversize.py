@@ -12,7 +12,8 @@ from bridge_util import metric, read_all, running_bridge
 from e2e_util import wait_for
 from test_bad_input import HostilePod, valid
 
-from bridge.consume.checker import check_topic, compare_with_sent
+from bridge.consume.checker import check_topic
+from bridge.consume.sentlog import compare_with_sent
 from bridge.consume.state import CacheState
 from bridge.log.markers import RECORD_TOO_LARGE, EventsLost
 from bridge.ops.config import PodConfig

@@ -6,7 +6,8 @@ import pytest
 from bridge_util import metric, running_bridge
 from e2e_util import Proc, free_port_block, read_json, wait_for
 
-from bridge.consume.checker import check_topic, load_sent_log
+from bridge.consume.checker import check_topic
+from bridge.consume.sentlog import load_sent_log
 from bridge.ops.config import PodConfig
 
 pytestmark = pytest.mark.kafka

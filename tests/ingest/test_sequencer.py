@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.ingest.sequencer import (
+from bridge.ingest.actions import (
     LOST_BEFORE_FIRST_CONTACT,
     LOST_NOT_IN_REPLAY_BUFFER,
     LOST_REASONS,
@@ -32,10 +32,9 @@ from bridge.ingest.sequencer import (
     PublisherRestarted,
     ResetReplay,
     SendReplay,
-    SequencerConfig,
-    StreamSequencer,
     StreamStarted,
 )
+from bridge.ingest.sequencer import SequencerConfig, StreamSequencer
 
 E = 5  # epoch given at construction
 

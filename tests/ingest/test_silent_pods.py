@@ -54,7 +54,7 @@ def test_a_pod_that_sends_nothing_is_reported(kafka_bootstrap, make_topic, caplo
                 20,
                 "the silent gauge of the mute pod",
             )
-            ok, details = bridge.readiness()
+            ok, details = bridge.probes.readiness()
             assert details["streams_silent"] == ["mute rank 0"]
             assert metric(bridge, "kvbridge_stream_silent", pod="talker", dp_rank="0") == 0
     warnings = [r.getMessage() for r in caplog.records if "mute" in r.getMessage()]

@@ -21,10 +21,11 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import NewPartitions
 from e2e_util import wait_for
 
-from bridge.consume.checker import TopicChecker, compare_with_sent
+from bridge.consume.checker import TopicChecker
 from bridge.consume.reader import ConsumedRecord, TopicReader
+from bridge.consume.sentlog import compare_with_sent
 from bridge.consume.state import CacheState
-from bridge.ingest.runner import Bridge
+from bridge.ingest.topics import Topics
 from bridge.log.checkpoints import Checkpoint, checkpoint_key, load_checkpoints
 from bridge.log.markers import StreamStarted
 from bridge.log.partitioning import (
@@ -257,8 +258,8 @@ def test_added_partitions_move_no_pod_until_repartition(
     moved = {s.name for s in SPECS} - STAY
     assert all(partition_for(n.encode(), 2) == partition_for(n.encode(), 4) for n in STAY)
     assert all(partition_for(n.encode(), 2) != partition_for(n.encode(), 4) for n in moved)
-    monkeypatch.setattr(Bridge, "PARTITION_CHECK_INTERVAL", 0.2)
-    caplog.set_level(logging.INFO, logger="bridge.ingest.runner")
+    monkeypatch.setattr(Topics, "CHECK_INTERVAL", 0.2)
+    caplog.set_level(logging.INFO, logger="bridge.ingest")
     topic = make_topic(partitions=2)
     # A checkpoint written by an older bridge (no topic/partitions fields) is read and ignored
     # for pinning: the pinned count is then the topic's count at start.
@@ -275,7 +276,7 @@ def test_added_partitions_move_no_pod_until_repartition(
 
         # 1. Partitions are added while the bridge runs: every pod keeps its partition.
         with running_bridge(kafka_bootstrap, topic, pods, kafka=KAFKA) as bridge:
-            assert bridge.pins[topic] == TopicPin(topic, 2, 2, None)
+            assert bridge.topics.pins[topic] == TopicPin(topic, 2, 2, None)
             assert {s.info.partition for s in bridge.streams if s.info.pod == "pin-1"} == {
                 home["pin-1"]
             }
@@ -309,7 +310,7 @@ def test_added_partitions_move_no_pod_until_repartition(
         warnings = [
             r.getMessage()
             for r in caplog.records
-            if r.name == "bridge.ingest.runner"
+            if r.name == "bridge.ingest.topics"
             and r.levelno == logging.WARNING
             and "--repartition" in r.getMessage()
         ]

@@ -27,7 +27,8 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerialize
 from confluent_kafka.serialization import MessageField, SerializationContext
 from e2e_util import Proc, free_port_block, read_json, read_jsonl, run_cli, wait_for
 
-from bridge.cli.main import build_parser, resolve_run_config
+from bridge.cli.commands import build_parser
+from bridge.cli.run import resolve_run_config
 from bridge.log.markers import EventsLost, StreamStarted
 from bridge.log.records import Envelope, RecordCodec, RecordError, event_to_avro, schema_dir
 from bridge.log.registry import (

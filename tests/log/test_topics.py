@@ -11,7 +11,7 @@ from kafka_broker import topic_name
 
 import bridge.log.checkpoints
 import bridge.log.sink
-from bridge.cli.main import main
+from bridge.cli.commands import main
 from bridge.ingest.runner import Bridge
 from bridge.log.sink import ensure_topic
 from bridge.ops.config import BridgeConfig, PodConfig

@@ -579,7 +579,8 @@ def test_fixture_files_are_valid():
 
 
 def run_config(argv: list[str], env: dict[str, str] | None = None):
-    from bridge.cli.main import build_parser, resolve_run_config
+    from bridge.cli.commands import build_parser
+    from bridge.cli.run import resolve_run_config
 
     return resolve_run_config(build_parser().parse_args(["run", *argv]), environ=env or {})
 

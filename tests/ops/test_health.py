@@ -82,7 +82,9 @@ def test_readyz_follows_kafka_and_healthz_the_loop(tmp_path):
         pod = fleet["hp"]
         pods = [PodConfig("hp", "m", pod.pub, pod.replay)]
         with running_bridge(broker.bootstrap, topic, pods) as bridge:
-            server = HealthServer(bridge.metrics.registry, bridge.liveness, bridge.readiness)
+            server = HealthServer(
+                bridge.metrics.registry, bridge.probes.liveness, bridge.probes.readiness
+            )
             server.start(0, "127.0.0.1")
             base = f"http://127.0.0.1:{server.port}"
             try:

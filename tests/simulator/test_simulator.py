@@ -26,7 +26,8 @@ from bridge.simulator.model import (
     residency,
     shared_templates,
 )
-from bridge.simulator.pod import PodSpec, SentLog, SimulatedFleet, normalized
+from bridge.simulator.pod import PodSpec, SentLog, SimulatedFleet
+from bridge.simulator.publisher import normalized
 from bridge.vllm.decoder import decode_batch
 from bridge.vllm.encoder import encode_batch
 from bridge.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch

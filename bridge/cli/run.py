@@ -1,4 +1,5 @@
-"""The `kvbridge` command line: run, simulate, consume, replay."""
+"""`kvbridge run`: its options, the settings they resolve to (flags, env, file, defaults), and
+the process around the :class:`~bridge.ingest.runner.Bridge` (signals, shutdown, exit codes)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
-from confluent_kafka import KafkaException
-
-from bridge import __version__
 from bridge.cli.args import (
-    Parser,
     add_kafka_args,
     add_listen_args,
+    add_log_args,
     duration,
     kv_pairs,
     resolve_listen,
@@ -36,52 +34,24 @@ from bridge.ops.config import (
     KAFKA_ENV_PREFIX,
     BridgeConfig,
     ConfigError,
-    KafkaUnreachable,
     check_endpoint,
     check_topic_template,
     env_kafka_properties,
     env_settings,
-    kafka_unreachable,
     load_toml,
     parse_duration,
     parse_pod,
     unknown_env,
 )
-from bridge.ops.logsetup import setup_logging
 
 log = logging.getLogger("kvbridge")
 
 UNACKNOWLEDGED_EXIT = 4  # stopped with records Kafka did not acknowledge (checkpoints before them)
 SHUTDOWN_GRACE = 10.0  # after --shutdown-timeout: the last resort exits without waiting more
 
-DESCRIPTION = """\
-kvbridge follows vLLM engines' KV-cache event streams (ZeroMQ PUB + replay ROUTER), keeps
-every (pod, data-parallel rank) stream complete and ordered, and writes each event as an
-Avro record to a Kafka topic keyed by pod, so consumers can rebuild each pod's prefix-cache
-state from any offset or time.
 
-  kvbridge run --bootstrap-servers localhost:9092 \\
-      --pod name=pod-a,model=llama,pub=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558
-  kvbridge consume --from-beginning --pod pod-a      # events as JSON lines
-  kvbridge replay                                    # rebuilt cache state per pod
-  kvbridge simulate --pods 3                         # simulated vLLM pods for trying it out
-"""
-
-
-def _log_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", default="text", choices=["text", "json"])
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
-        prog="kvbridge",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--version", action="version", version=f"kvbridge {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
+def configure_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add `kvbridge run` to the subcommands; returns its parser (`config check` shares it)."""
     run = sub.add_parser(
         "run",
         help="follow vLLM pods and write their events to Kafka",
@@ -322,53 +292,8 @@ were dropped, the checkpoints stay before them and the next start re-reads them.
 
     add_discovery_args(run)
     add_listen_args(run)
-    _log_args(run)
-    config = sub.add_parser("config", help="check the run configuration")
-    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    check_config = config_sub.add_parser(
-        "check",
-        parents=[run],
-        add_help=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        help="validate and print the effective configuration of `run` with the same options",
-        description="Resolve the settings exactly as `kvbridge run` does (flags, then KVBRIDGE_* "
-        "environment variables, then --config FILE, then defaults), validate them (librdkafka "
-        "properties included; Kafka is not contacted) and print the effective configuration, "
-        "with where each value came from and secrets masked. Exit 0 if valid, 2 if not.",
-    )
-    check_config.add_argument(
-        "--format", choices=["toml", "json"], default="toml", help="output format (toml)"
-    )
-
-    from bridge.cli.simulate import configure_parser as configure_simulate
-
-    sim = sub.add_parser(
-        "simulate",
-        help="run simulated vLLM pods (PUB + replay ROUTER) for demos and tests",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    configure_simulate(sim)
-
-    from bridge.consume.stateserve import configure_parser as configure_state
-    from bridge.consume.statetopic import configure_parser as configure_state_sync
-
-    configure_state_sync(sub)
-    configure_state(sub)
-
-    from bridge.consume.checker import configure_parser as configure_check
-
-    configure_check(
-        sub.add_parser("check", help="verify the topic: contiguity, duplicates, markers")
-    )
-
-    from bridge.cli.read import configure_reader_parser
-
-    for name, helptext in (
-        ("consume", "print the topic's records as JSON lines"),
-        ("replay", "rebuild per-pod cache state from the topic and print it"),
-    ):
-        configure_reader_parser(sub.add_parser(name, help=helptext), name)
-    return parser
+    add_log_args(run)
+    return run
 
 
 def resolve_run_config(
@@ -555,7 +480,8 @@ def resolve_run_config(
     return cfg
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """`kvbridge run`: 0 when stopped cleanly, 3 when fenced, 4 with unacknowledged records."""
     from bridge.ingest.runner import Bridge
     from bridge.log.sink import Fenced
 
@@ -573,7 +499,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cfg.metrics_port:
         from bridge.ops.health import HealthServer
 
-        http = HealthServer(bridge.metrics.registry, bridge.liveness, bridge.readiness)
+        http = HealthServer(
+            bridge.metrics.registry, bridge.probes.liveness, bridge.probes.readiness
+        )
         http.start(cfg.metrics_port, cfg.metrics_host)
         log.info(
             "metrics and health on http://%s:%d (/metrics, /healthz, /readyz)",
@@ -643,93 +571,3 @@ def cmd_run(args: argparse.Namespace) -> int:
         return UNACKNOWLEDGED_EXIT
     log.info("stopped")
     return 0
-
-
-def _parse_time(text: str, flag: str = "--from-timestamp") -> int:
-    from bridge.cli.read import parse_time
-
-    return parse_time(text, flag)
-
-
-def _reader_args(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(TopicReader, StartAt, StopAt | None) of the consume/replay options."""
-    from bridge.cli.read import reader_args
-
-    return reader_args(args)
-
-
-def cmd_consume(args: argparse.Namespace) -> int:
-    from bridge.cli.read import cmd_consume as run_consume
-
-    return run_consume(args)
-
-
-def parse_query(text: str) -> list[int]:
-    """Block hashes as vLLM's 64-bit keys (see bridge.cli.read.parse_query)."""
-    from bridge.cli.read import parse_query as parse
-
-    return parse(text)
-
-
-def cmd_replay(args: argparse.Namespace) -> int:
-    from bridge.cli.read import cmd_replay as run_replay
-
-    return run_replay(args)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    setup_logging(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
-    try:
-        if args.command == "run":
-            return cmd_run(args)
-        if args.command == "config":
-            from bridge.cli.configcheck import run_config_check
-
-            return run_config_check(args, resolve_run_config)
-        if args.command == "simulate":
-            from bridge.cli.simulate import run as run_simulate
-
-            return run_simulate(args)
-        if args.command == "consume":
-            return cmd_consume(args)
-        if args.command == "check":
-            from bridge.consume.checker import run as run_check
-
-            return run_check(args)
-        if args.command == "replay":
-            return cmd_replay(args)
-        if args.command in ("state-sync", "state"):
-            from bridge.consume import stateserve, statetopic
-
-            return (statetopic if args.command == "state-sync" else stateserve).run(args)
-    except ConfigError as exc:
-        print(f"kvbridge {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except KafkaUnreachable as exc:
-        print(f"kvbridge {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except KafkaException as exc:
-        if not kafka_unreachable(exc):
-            raise
-        where = getattr(args, "bootstrap_servers", None) or env_settings().get(
-            "bootstrap_servers", "localhost:9092"
-        )
-        print(
-            f"kvbridge {args.command}: {KafkaUnreachable(where, exc.args[0].str())}",
-            file=sys.stderr,
-        )
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except RuntimeError as exc:
-        print(f"kvbridge {args.command}: {exc}", file=sys.stderr)
-        return 1
-    parser.error(f"unknown command {args.command}")
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
