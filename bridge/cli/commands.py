@@ -12,6 +12,7 @@ import sys
 from confluent_kafka import KafkaException
 
 from bridge import __version__
+from bridge.cli import check, configcheck, read, run, simulate, state
 from bridge.cli.args import Parser
 from bridge.ops.config import ConfigError, KafkaUnreachable, env_settings, kafka_unreachable
 from bridge.ops.logsetup import setup_logging
@@ -31,8 +32,6 @@ state from any offset or time.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bridge.cli import check, configcheck, read, run, simulate, state
-
     parser = Parser(
         prog="kvbridge",
         description=DESCRIPTION,
@@ -62,8 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from bridge.cli import check, configcheck, read, run, simulate, state
-
     commands = {
         "run": run.run,
         "config": lambda a: configcheck.run_config_check(a, run.resolve_run_config),
