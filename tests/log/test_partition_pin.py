@@ -328,7 +328,7 @@ def test_added_partitions_move_no_pod_until_repartition(
         caplog.clear()
         restart = time.time() * 1000
         with running_bridge(kafka_bootstrap, topic, pods, kafka=KAFKA, exactly_once=True) as b2:
-            assert b2.pins[topic] == TopicPin(topic, 2, 4, 2)
+            assert b2.topics.pins[topic] == TopicPin(topic, 2, 4, 2)
             wait_for(
                 lambda: len(events_since(read(kafka_bootstrap, topic), restart)) == len(SPECS),
                 30,
@@ -350,7 +350,7 @@ def test_added_partitions_move_no_pod_until_repartition(
         caplog.clear()
         moving = time.time() * 1000
         with running_bridge(kafka_bootstrap, topic, pods, kafka=KAFKA, repartition=True) as b3:
-            assert b3.pins[topic] == TopicPin(topic, 4, 4, 2)
+            assert b3.topics.pins[topic] == TopicPin(topic, 4, 4, 2)
             assert metric(b3, "kvbridge_topic_partitions", topic=topic, kind="pinned") == 4
             fleet.wait_done(timeout=60)
             model = model_of(fleet)
