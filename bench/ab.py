@@ -158,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         choices=["ceiling,naive", "ceiling"],
         default="ceiling,naive",
-        help="the bench parts of each run: the ceiling and the drains of the bridge and the "
-        "naive loop (default), or the ceiling alone (seconds a run, no broker)",
+        metavar="PARTS",
+        help="the bench parts of each run: 'ceiling,naive' (default), the ceiling and the "
+        "drains of the bridge and the naive loop, or 'ceiling', the ceiling alone (seconds a "
+        "run, no broker)",
     )
     p.add_argument("--ref-pods", type=int, default=16, help="pods of the drains (16)")
     p.add_argument("--bootstrap", help="use this broker (default: start a private one)")
