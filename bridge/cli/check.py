@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
-import time
-from typing import Any
 
 from bridge.cli.args import add_kafka_args, kafka_target, record_codec
+from bridge.cli.progress import Progress, add_progress_arg
 from bridge.consume.checker import check_topic
 from bridge.consume.sentlog import SentLogError, load_sent_log
 from bridge.ops.config import ConfigError
@@ -50,28 +48,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-v", "--verbose", action="store_true", help="print every problem and lost range"
     )
-
-
-class _Progress:
-    """Running count on a terminal, at most once a second."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-        self.next_at = time.monotonic() + 1.0
-        self.shown = False
-
-    def __call__(self, n: int) -> None:
-        now = time.monotonic()
-        if now >= self.next_at:
-            self.next_at = now + 1.0
-            self.stream.write(f"\r{n} records read ...")
-            self.stream.flush()
-            self.shown = True
-
-    def clear(self) -> None:
-        if self.shown:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
+    add_progress_arg(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         if args.pod:
             wanted = set(args.pod)
             sent = [s for s in sent if s.get("pod") in wanted]
-    progress = _Progress(sys.stderr) if sys.stderr.isatty() else None
+    progress = Progress(mode=args.progress, label="check")
     try:
         report = check_topic(
             bootstrap,
@@ -93,13 +70,12 @@ def run(args: argparse.Namespace) -> int:
             pods=args.pod or None,
             codec=record_codec(args),
             sent=sent,
-            progress=progress,
+            progress=progress.update,
         )
     except SentLogError as exc:
         raise ConfigError(f"--expect-sent {args.expect_sent}: {exc}") from exc
     finally:
-        if progress is not None:
-            progress.clear()
+        progress.done()
     print(report.verdict())
     # Records that are not kv-events records are always listed: an operator must know.
     for line in report.details() if args.verbose else report.undecodable_details():

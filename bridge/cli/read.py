@@ -12,9 +12,10 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from typing import Any
 
 from bridge.cli.args import add_kafka_args, add_state_policy_arg, kafka_target, record_codec
+from bridge.cli.progress import Progress, add_progress_arg
 from bridge.ops.config import ConfigError, parse_duration
 
 log = logging.getLogger("kvbridge")
@@ -158,12 +159,7 @@ def configure_reader_parser(p: argparse.ArgumentParser, name: str) -> None:
         metavar="FILE",
         help="also save the state and the offsets it reflects (continue with --from-snapshot)",
     )
-    out.add_argument(
-        "--progress",
-        choices=["auto", "bar", "log", "off"],
-        default="auto",
-        help="progress on stderr: a bar on a terminal, a log line every 10 s otherwise (auto)",
-    )
+    add_progress_arg(out)
 
 
 def parse_time(text: str, flag: str = "--from-timestamp") -> int:
@@ -249,56 +245,6 @@ def reader_args(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         stop = StopAt(offsets=stop_offsets, timestamp_ms=to_ts, offset=to_all)
     reader = TopicReader(bootstrap, topic, overrides, group_id=args.group, codec=record_codec(args))
     return reader, start, stop
-
-
-class Progress:
-    """Records/s and % of the offsets to read, on stderr: a bar on a terminal, else log lines."""
-
-    def __init__(self, reader: Any, mode: str = "auto", stream: TextIO | None = None) -> None:
-        self.reader = reader
-        self.stream = stream or sys.stderr
-        if mode == "auto":
-            mode = "bar" if self.stream.isatty() else "log"
-        self.mode = mode
-        self.interval = 0.2 if mode == "bar" else 10.0
-        self.started = time.monotonic()
-        self.last = self.started
-        self.n = 0
-        self.drawn = False
-
-    def tick(self) -> None:
-        self.n += 1
-        if self.mode == "off" or self.n & 255:
-            return
-        now = time.monotonic()
-        if now - self.last >= self.interval:
-            self.last = now
-            self.show(now)
-
-    def line(self, now: float) -> str:
-        rate = self.n / max(now - self.started, 1e-9)
-        done, total = self.reader.progress()
-        if total:
-            pct = min(100.0, 100.0 * done / total)
-            width = 30
-            fill = int(width * pct / 100)
-            bar = "#" * fill + "-" * (width - fill)
-            return f"[{bar}] {pct:5.1f}%  {self.n:,} records  {rate:,.0f} rec/s"
-        return f"{self.n:,} records  {rate:,.0f} rec/s"
-
-    def show(self, now: float) -> None:
-        if self.mode == "bar":
-            self.stream.write("\r" + self.line(now) + "\x1b[K")
-            self.stream.flush()
-            self.drawn = True
-        elif self.mode == "log":
-            log.info("replay: %s", self.line(now))
-
-    def done(self) -> None:
-        if self.mode == "bar" and (self.drawn or self.n):
-            self.show(time.monotonic())
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 @contextlib.contextmanager
@@ -515,7 +461,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         args.topic = snap_topic
     reader, start, stop = reader_args(args)
     pods = set(args.pod)
-    progress = Progress(reader, args.progress)
+    progress = Progress(reader.progress, args.progress)
     now = time.monotonic()
     last_commit = last_output = now
 
@@ -535,8 +481,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             last_output = now
             if args.snapshot:
                 save_snapshot()
-            if progress.drawn:
-                progress.stream.write("\r\x1b[K")  # the bar's line, redrawn later
+            progress.clear()
             print_state(state, args, keys, reader.skipped)
 
     rc = 0

@@ -522,13 +522,14 @@ def check_topic(
     *,
     pods: Iterable[str] | None = None,
     sent: Iterable[dict[str, Any]] | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int, tuple[int, int | None]], None] | None = None,
     codec: Any = None,
 ) -> CheckReport:
     """Read the whole topic (from the beginning to the end seen at the start) and check it.
 
     ``pods``: only these pods; ``sent``: also compare with a sent-log; ``progress``: called
-    with the number of records read, every 1000 records and at the end.
+    every 1000 records and at the end with the number of records read and
+    ``TopicReader.progress()`` (offsets read, offsets to read).
     """
     from bridge.consume.reader import TopicReader
 
@@ -539,11 +540,11 @@ def check_topic(
         for cr in reader.read():
             n += 1
             if progress is not None and n % 1000 == 0:
-                progress(n)
+                progress(n, reader.progress())
             if only is None or cr.record.envelope.pod in only:
                 checker.add(cr.record)
         checker.undecodable = reader.skipped
         checker.undecodable_samples = reader.undecodable.samples()
-    if progress is not None:
-        progress(n)
+        if progress is not None:
+            progress(n, reader.progress())
     return checker.report()

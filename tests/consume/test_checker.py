@@ -1,63 +1,38 @@
-"""The topic checker: every contract rule, the sent-log comparison, and the CLI glue."""
+"""The topic checker: every contract rule, and the sent-log comparison (`kvbridge check`'s
+command line: tests/cli/test_check.py)."""
 
 from __future__ import annotations
 
-import argparse
 import json
-from collections.abc import Iterator
 
 import pytest
+from checker_util import (
+    E1,
+    E2,
+    E3,
+    batch,
+    batches,
+    env,
+    lost,
+    produce,
+    removed,
+    restarted,
+    scenario,
+    sent_entry,
+    started,
+    stored,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.cli.check import configure_parser, run
 from bridge.consume.checker import TopicChecker, check_topic
 from bridge.consume.checkreport import CheckReport
 from bridge.consume.reader import ConsumedRecord
 from bridge.consume.sentlog import SentComparer, SentLogError, compare_with_sent, load_sent_log
-from bridge.log.markers import EventsLost, PodRemoved, PublisherRestarted, StreamStarted
-from bridge.log.records import Envelope, Record
+from bridge.log.markers import EventsLost, PublisherRestarted, StreamStarted
+from bridge.log.records import Record
 from bridge.ops.config import ConfigError
-from bridge.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored
-from bridge.vllm.jsonview import event_to_json
-
-E1, E2, E3 = 1_767_225_600_000, 1_767_225_600_001, 1_767_225_600_002
-
-
-def env(pod: str, rank: int, epoch: int, seq: int, index: int) -> Envelope:
-    return Envelope(pod, "llama", rank, epoch, seq, index, 1_767_225_600.0 + seq)
-
-
-def stored(seq: int, index: int, tokens: int = 4) -> BlockStored:
-    h = (seq * 1000 + index).to_bytes(8, "big")
-    return BlockStored([h], None, list(range(seq, seq + tokens)), tokens, medium="GPU")
-
-
-def batch(pod: str, rank: int, epoch: int, seq: int, n: int = 2) -> list[Record]:
-    return [Record(env(pod, rank, epoch, seq, i), stored(seq, i)) for i in range(n)]
-
-
-def batches(pod: str, rank: int, epoch: int, seqs: range | list[int], n: int = 2) -> list[Record]:
-    return [r for s in seqs for r in batch(pod, rank, epoch, s, n)]
-
-
-def started(pod: str, rank: int, epoch: int, next_seq: int = 0) -> Record:
-    ep = f"tcp://{pod}:{5557 + rank}"
-    return Record(env(pod, rank, epoch, next_seq, -1), StreamStarted(next_seq, ep))
-
-
-def restarted(
-    pod: str, rank: int, epoch: int, old: int, last: int | None, first: int = 0
-) -> Record:
-    return Record(env(pod, rank, epoch, first, -1), PublisherRestarted(old, last, first))
-
-
-def lost(pod: str, rank: int, epoch: int, lo: int, hi: int, reason: str = "replay timed out"):
-    return Record(env(pod, rank, epoch, lo, -1), EventsLost(lo, hi, reason))
-
-
-def removed(pod: str, rank: int, epoch: int) -> Record:
-    return Record(env(pod, rank, epoch, 0, -1), PodRemoved("pod deleted"))
+from bridge.vllm.events import AllBlocksCleared, BlockRemoved
 
 
 def check(records: list[Record], allow_duplicates: bool = False) -> CheckReport:
@@ -455,34 +430,6 @@ def test_valid_plans_pass_and_damage_is_caught(recs: list[Record], data: st.Data
 # ------------------------------------------------------------------ compare_with_sent
 
 
-def sent_entry(pod, rank, inc, seq, how="live", n=2) -> dict:
-    events = [json.loads(json.dumps(event_to_json(stored(seq, i)))) for i in range(n)]
-    return {
-        "pod": pod,
-        "model": "llama",
-        "dp_rank": rank,
-        "incarnation": inc,
-        "seq": seq,
-        "ts": 1.0,
-        "sent": how,
-        "release": "0.33.0",
-        "events": events,
-    }
-
-
-def scenario() -> tuple[list[Record], list[dict]]:
-    """Two incarnations: seq 2 dropped (replayed), seq 3 lost by vLLM, then a restart."""
-    sent = [sent_entry("a", 0, 0, s) for s in range(2)]
-    sent += [sent_entry("a", 0, 0, 2, "dropped"), sent_entry("a", 0, 0, 3, "lost")]
-    sent += [sent_entry("a", 0, 0, 4)] + [sent_entry("a", 0, 1, s) for s in range(3)]
-    sent += [sent_entry("a", 1, 0, 0, n=1)]
-    recs = [started("a", 0, E1), started("a", 1, E1)] + batches("a", 0, E1, range(3))
-    recs += [lost("a", 0, E1, 3, 3, "not in replay buffer")] + batches("a", 0, E1, [4])
-    recs += batches("a", 1, E1, [0], n=1)
-    recs += [restarted("a", 0, E2, E1, 4)] + batches("a", 0, E2, range(3))
-    return recs, sent
-
-
 def test_compare_with_sent_agrees():
     recs, sent = scenario()
     assert check(recs).ok
@@ -607,25 +554,6 @@ def test_checker_with_sent_log_reports_differences_in_the_verdict():
 # ------------------------------------------------------------------ CLI glue
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvbridge check")
-    configure_parser(p)
-    return p.parse_args(argv)
-
-
-def test_parser_options():
-    a = parse([])
-    assert (a.bootstrap_servers, a.topic, a.kafka_property, a.pod) == (None, None, [], [])
-    assert not a.allow_duplicates and not a.verbose and a.expect_sent is None
-    a = parse(
-        ["--bootstrap-servers", "k:9", "--topic", "t", "--kafka-property", "a=b",
-         "--kafka-property", "c=d", "--allow-duplicates", "--pod", "x", "--pod", "y",
-         "--expect-sent", "s.jsonl", "-v"]
-    )  # fmt: skip
-    assert (a.bootstrap_servers, a.topic, a.kafka_property) == ("k:9", "t", ["a=b", "c=d"])
-    assert a.allow_duplicates and a.verbose and a.pod == ["x", "y"] and a.expect_sent == "s.jsonl"
-
-
 def test_load_sent_log(tmp_path):
     path = tmp_path / "sent.jsonl"
     path.write_text(json.dumps(sent_entry("a", 0, 0, 0)) + "\n\n")
@@ -649,71 +577,19 @@ def test_load_sent_log_leaves_out_a_last_line_still_being_written(tmp_path):
         load_sent_log(str(path))
 
 
-def test_bad_kafka_property_is_a_config_error():
-    with pytest.raises(ConfigError, match="KEY=VALUE"):
-        run(parse(["--kafka-property", "nokey"]))
-
-
 # ------------------------------------------------------------------ against a real broker
 
 
-def produce(bootstrap: str, topic: str, records: list[Record], garbage: int = 0) -> None:
-    from confluent_kafka import Producer
-
-    from bridge.log.records import RecordCodec
-
-    codec = RecordCodec()
-    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
-    for r in records:
-        p.produce(topic, codec.encode(r.envelope, r.event), key=r.envelope.pod.encode())
-    for _ in range(garbage):
-        p.produce(topic, b"not avro", key=b"a")
-    assert p.flush(30) == 0
-
-
-@pytest.fixture
-def sound_topic(kafka_bootstrap: str, make_topic) -> Iterator[tuple[str, str, list[dict]]]:
-    topic = make_topic(partitions=2)
-    recs, sent = scenario()
-    produce(kafka_bootstrap, topic, recs)
-    yield kafka_bootstrap, topic, sent
-
-
-def test_run_on_a_sound_topic(sound_topic, tmp_path, capsys, monkeypatch):
-    bootstrap, topic, sent = sound_topic
-    path = tmp_path / "sent.jsonl"
-    path.write_text("".join(json.dumps(s) + "\n" for s in sent))
-    monkeypatch.setenv("KVBRIDGE_BOOTSTRAP_SERVERS", bootstrap)
-    monkeypatch.setenv("KVBRIDGE_TOPIC", topic)
-    assert run(parse(["--expect-sent", str(path), "-v"])) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0] == (
-        "OK: 2 streams, 15 events in 8 batches, 1 lost, 0 duplicates, markers EventsLost=1, "
-        "PublisherRestarted=1, StreamStarted=2"
-    )
-    assert out[1:] == [f"  a rank 0 epoch {E1}: lost seq 3: not in replay buffer"]
-    # --pod filters both the topic and the sent-log.
-    assert run(parse(["--pod", "a", "--expect-sent", str(path)])) == 0
-    assert capsys.readouterr().out.startswith("OK: 2 streams")
-    assert run(parse(["--pod", "nobody"])) == 0
-    assert capsys.readouterr().out.startswith("OK: 0 streams, 0 events")
-
-
-def test_check_topic_finds_holes_and_undecodable_records(kafka_bootstrap, make_topic, capsys):
+def test_check_topic_finds_holes_and_undecodable_records(kafka_bootstrap, make_topic):
     topic = make_topic()
     recs = [r for r in scenario()[0] if r.envelope.seq != 1 or r.envelope.epoch != E1]
     produce(kafka_bootstrap, topic, recs, garbage=1)
-    seen: list[int] = []
-    report = check_topic(kafka_bootstrap, topic, progress=seen.append)
+    seen: list[tuple[int, tuple[int, int | None]]] = []
+    report = check_topic(kafka_bootstrap, topic, progress=lambda n, o: seen.append((n, o)))
     assert report.holes == [("a", 0, E1, 1, 1)] and report.undecodable == 1
-    assert seen[-1] == len(recs)
+    # The last call: every record read, and every offset (the garbage one too) of all.
+    assert seen[-1] == (len(recs), (len(recs) + 1, len(recs) + 1))
     assert report.records == len(recs)
-    code = run(parse(["--bootstrap-servers", kafka_bootstrap, "--topic", topic, "-v"]))
-    out = capsys.readouterr().out.splitlines()
-    assert code == 1
-    assert out[0].startswith("FAIL: 1 hole (1 batch), 1 undecodable record (2 streams")
-    assert f"  a rank 0 epoch {E1}: hole: seq 1 neither delivered nor reported lost" in out
-    assert "  1 record could not be decoded (skipped)" in out
 
 
 def test_records_of_a_moved_pods_old_epoch_after_its_new_one_are_checked_apart():

@@ -317,28 +317,6 @@ def test_time_and_offset_parsing():
         parse_offsets("0:5", 0, "--from-offset")
 
 
-def test_progress_is_a_bar_on_a_terminal_and_log_lines_otherwise():
-    import io
-
-    from bridge.cli.read import Progress
-
-    class Reader:
-        def progress(self):
-            return 250, 1000
-
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-
-    tty, pipe = Tty(), io.StringIO()
-    bar, log_mode = Progress(Reader(), stream=tty), Progress(Reader(), stream=pipe)
-    assert (bar.mode, log_mode.mode) == ("bar", "log")
-    bar.n = 250
-    bar.done()
-    assert tty.getvalue().startswith("\r[#######-----") and " 25.0%  250 records" in tty.getvalue()
-    assert pipe.getvalue() == ""  # log mode writes through logging, never raw bar output
-
-
 def test_a_copy_removed_leaves_the_hash_resident_under_count():
     # vLLM keeps one physical block per copy and removes each on its own (vllm#55092).
     for policy, left in (("count", {H[0], H[1]}), ("set", {H[0]})):
