@@ -58,20 +58,18 @@ class Progress:
         self._seen: Offsets = (0, None)
 
     def tick(self) -> None:
-        """One more record."""
+        """One more record (the clock is read once every 256)."""
         self.n += 1
-        if self.mode == "off" or self.n & 255:
-            return
-        now = time.monotonic()
-        if now - self.last >= self.interval:
-            self.last = now
-            self.show(now)
+        if self.mode != "off" and not self.n & 255:
+            self._show_if_due()
 
     def update(self, n: int, offsets: Offsets) -> None:
         """``n`` records read so far, at ``offsets``."""
         self.n, self._seen = n, offsets
-        if self.mode == "off":
-            return
+        if self.mode != "off":
+            self._show_if_due()
+
+    def _show_if_due(self) -> None:
         now = time.monotonic()
         if now - self.last >= self.interval:
             self.last = now
